@@ -1,0 +1,1 @@
+"""data stage of rm_jax."""

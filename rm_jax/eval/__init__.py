@@ -1,0 +1,1 @@
+"""eval stage of rm_jax."""

@@ -1,0 +1,1 @@
+"""score stage of rm_jax."""

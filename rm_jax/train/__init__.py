@@ -1,0 +1,1 @@
+"""train stage of rm_jax."""
