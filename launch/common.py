@@ -1,0 +1,15 @@
+"""What every entry point shares: the default config path and config flag."""
+
+from __future__ import annotations
+
+import os
+
+from ml_collections import config_flags
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "tiny.py")
+
+
+def define_config_flag(default: str = DEFAULT_CONFIG):
+    """`--config=configs/X.py --config.a.b=v` (ml_collections)."""
+    return config_flags.DEFINE_config_file("config", default, "ml_collections config file", lock_config=False)

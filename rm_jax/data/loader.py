@@ -1,0 +1,143 @@
+"""The Grain loader: built shards -> static-shape batches, with a resumable iterator.
+
+* A MapDataset over the split's ArrayRecord shards. Random access makes order a pure function of
+  (seed, step): shuffling is per epoch (Grain reseeds each epoch), and the iterator state saved
+  beside a checkpoint restores the stream exactly.
+* The training stream oversamples failures by index repetition (x3 by default, the factor the
+  build recorded); the held-out split is never oversampled or shuffled.
+* Multi-host: each process takes every `process_count`-th element of the shuffled global stream
+  and forms its slice of the global batch.
+* Static shapes: sequences are padded to the smallest configured length bucket, image patches
+  and image rows to powers of two, and a short final eval batch is filled with invalid rows,
+  so the jitted step compiles once per bucket, never per batch.
+* No tokenization here: records already hold token ids and pixel values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+import grain
+import numpy as np
+
+from rm_jax.data import records
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderConfig:
+    batch_size: int                       # global batch
+    buckets: tuple[int, ...]              # padded sequence lengths, ascending
+    seed: int = 0
+    shuffle: bool = True
+    oversample_fail: int | None = None    # None: the factor recorded by the build (train only)
+    num_epochs: int | None = None         # None: repeat forever
+    process_index: int = 0
+    process_count: int = 1
+    drop_remainder: bool = True
+    min_patch_bucket: int = 64
+
+
+def _next_pow2(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+def pick_bucket(length: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if length <= b:
+            return int(b)
+    raise ValueError(f"sequence of {length} tokens exceeds the largest bucket {buckets[-1]}")
+
+
+class Collate:
+    """Pads a list of decoded records into one static-shape batch dict."""
+
+    def __init__(self, batch_size: int, buckets: Sequence[int], pad_id: int, patch_dim: int | None,
+                 min_patch_bucket: int = 64):
+        self.batch_size, self.buckets, self.pad_id = batch_size, tuple(sorted(buckets)), pad_id
+        self.patch_dim, self.min_patch_bucket = patch_dim, min_patch_bucket
+
+    def __call__(self, items: Sequence[dict]) -> dict[str, np.ndarray]:
+        n, B = len(items), self.batch_size
+        L = pick_bucket(max(len(it["input_ids"]) for it in items), self.buckets)
+        input_ids = np.full((B, L), self.pad_id, np.int32)
+        attention = np.zeros((B, L), np.int32)
+        target = np.zeros((B, L), np.int32)
+        scalars = {k: np.zeros((B,), np.int32) for k in ("verdict_pos", "label", "route_tool_call", "has_image")}
+        valid = np.zeros((B,), np.int32)
+        pixels, grids = [], []
+        for i, it in enumerate(items):
+            T = len(it["input_ids"])
+            input_ids[i, :T] = it["input_ids"]
+            attention[i, :T] = 1
+            target[i, :T] = it["target_mask"]
+            for k in scalars:
+                scalars[k][i] = it[k]
+            valid[i] = 1
+            if len(it["image_grid_thw"]):
+                pixels.append(it["pixel_values"])
+                grids.append(it["image_grid_thw"])
+        P = sum(p.shape[0] for p in pixels)
+        D = pixels[0].shape[1] if pixels else (self.patch_dim or 0)
+        P_pad = _next_pow2(P, self.min_patch_bucket)
+        pixel_values = np.zeros((P_pad, D), pixels[0].dtype if pixels else np.float16)
+        if pixels:
+            pixel_values[:P] = np.concatenate(pixels)
+        G = sum(g.shape[0] for g in grids)
+        grid = np.zeros((_next_pow2(G, 1), 3), np.int32)   # zero rows: padding images of 0 patches
+        if grids:
+            grid[:G] = np.concatenate(grids)
+        image_valid = (grid.prod(-1) > 0).astype(np.int32)
+        return {"input_ids": input_ids, "attention_mask": attention, "target_mask": target,
+                "example_valid": valid, "pixel_values": pixel_values, "image_grid_thw": grid,
+                "image_valid": image_valid, **scalars}
+
+
+class _Decode(grain.transforms.Map):
+    def map(self, raw: bytes) -> dict:
+        return records.decode(raw)
+
+
+def read_manifest(data_dir: str) -> dict:
+    with open(os.path.join(data_dir, "manifest.json")) as f:
+        return json.load(f)
+
+
+def stream_indices(labels: np.ndarray, oversample_fail: int) -> np.ndarray:
+    """Record indices of one epoch of the stream: each failure repeated `oversample_fail` times."""
+    reps = np.where(labels == 1, max(1, oversample_fail), 1)
+    return np.repeat(np.arange(len(labels)), reps)
+
+
+def make_dataset(data_dir: str, split: str, cfg: LoaderConfig) -> grain.MapDataset:
+    """Batches of `split` as a Grain MapDataset (index i = batch i of this process)."""
+    manifest = read_manifest(data_dir)
+    index = records.load_index(data_dir, split)
+    if len(index["label"]) == 0:
+        raise ValueError(f"{data_dir}: split '{split}' has no examples")
+    if cfg.batch_size % cfg.process_count:
+        raise ValueError(f"global batch {cfg.batch_size} is not divisible by process_count {cfg.process_count}")
+    factor = cfg.oversample_fail if cfg.oversample_fail is not None else manifest["oversampling"]["factor"]
+    idx = stream_indices(index["label"], factor if split == "train" else 1)
+    source = grain.sources.ArrayRecordDataSource(records.shard_paths(data_dir, split))
+    ds = grain.MapDataset.source(idx)
+    if cfg.shuffle:
+        ds = ds.shuffle(seed=cfg.seed)
+    ds = ds.repeat(cfg.num_epochs)
+    if cfg.process_count > 1:
+        ds = ds[cfg.process_index::cfg.process_count]
+    ds = ds.map(lambda i: source[int(i)]).map(_Decode())
+    local_batch = cfg.batch_size // cfg.process_count
+    patch_dim = None
+    collate = Collate(local_batch, cfg.buckets, manifest["pad_id"], patch_dim, cfg.min_patch_bucket)
+    return ds.batch(local_batch, drop_remainder=cfg.drop_remainder, batch_fn=collate)
+
+
+def make_iterator(ds: grain.MapDataset, state: dict | None = None):
+    """A checkpointable iterator (`get_state()` / `set_state()`), optionally restored."""
+    it = iter(ds.to_iter_dataset())
+    if state is not None:
+        it.set_state(state)
+    return it

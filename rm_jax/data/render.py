@@ -1,0 +1,249 @@
+"""The one renderer: a Sample -> judge input (token ids, image tensors, loss mask, verdict slot).
+
+Build, scoring and labelling all call `Renderer.render`, so what the judge sees in training is
+byte for byte what it sees when scoring. The judge chat is
+
+    system    = the judge contract, routed by the judged response (tool-call vs text-only)
+    user      = a transcript of the policy's conversation (turns, tool results, images in
+                place), then the judged response
+    assistant = the verdict JSON (the only tokens with loss)
+
+rendered with the base model's own chat template (`apply_chat_template`, with the sample's tool
+schemas, so the judge reads them in the format the policy read them).
+
+Transcript rules, each from a failure in the field report:
+* History assistant turns are kept exactly as they are. Online they carry no ``tool_calls``;
+  that is the real shape, not a bug to repair.
+* A tool result whose ``tool_call_id`` matches no call is shown as its own ``tool`` entry, never
+  dropped. (Dropping them hid every earlier deliverable from the teacher, which then judged
+  delivery notes as false claims.)
+* JSON-string tool content is shown as compact text; its image fields become image
+  placeholders whose pixels go to the vision input at that spot.
+* The judged response is shown as the policy produced it: tool-call arguments decoded from the
+  server's repeated encodings (up to 4); when undecodable the raw string is shown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from rm_jax.data import images as images_lib
+from rm_jax.data import target as target_lib
+from rm_jax.data.schema import ImageRef, Message, Sample, SampleError, ToolCall, resolve_image
+from rm_jax.data.tool_content import ImageField, parse_tool_content
+
+ROUTE_TOOL_CALL = "tool_call"
+ROUTE_TEXT_ONLY = "text_only"
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderConfig:
+    tool_contract: str
+    text_contract: str
+    field_order: tuple[str, ...] = target_lib.VERDICT_FIRST
+    image_pad_token: str = "<|image_pad|>"
+
+    @classmethod
+    def from_config(cls, data_cfg) -> "RenderConfig":
+        return cls(tool_contract=data_cfg.tool_contract, text_contract=data_cfg.text_contract,
+                   field_order=tuple(data_cfg.field_order))
+
+
+@dataclasses.dataclass
+class JudgeInput:
+    """One rendered sample. `target_mask[t] == 1` marks token t as a target (predicted from t-1)."""
+    id: str
+    prompt_id: str
+    input_ids: np.ndarray         # [T] int32 (image pads expanded)
+    target_mask: np.ndarray       # [T] uint8
+    verdict_pos: int              # index of the first verdict token; -1 when rendered without target
+    pixel_values: np.ndarray      # [P, C*T*p*p]
+    image_grid_thw: np.ndarray    # [N, 3] int32
+    route: str
+    label: int                    # 1 = fail (the positive class), 0 = pass, -1 unlabelled
+    has_image: bool
+    n_image_tokens: int = 0
+    flags: tuple[str, ...] = ()
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+# ---------------------------------------------------------------- transcript
+
+
+def _call_text(call: ToolCall) -> str:
+    # Undecodable arguments stay the raw string: the judge must see what the policy emitted.
+    return "<tool_call>\n" + json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False) + "\n</tool_call>"
+
+
+class _Parts:
+    """Collects chat content parts, merging adjacent text."""
+
+    def __init__(self):
+        self.parts: list[dict] = []
+        self.images: list[ImageRef] = []
+
+    def text(self, s: str) -> None:
+        if self.parts and self.parts[-1]["type"] == "text":
+            self.parts[-1]["text"] += s
+        else:
+            self.parts.append({"type": "text", "text": s})
+
+    def image(self, ref: ImageRef) -> None:
+        self.parts.append({"type": "image"})
+        self.images.append(ref)
+
+
+def _message_parts(out: _Parts, msg: Message) -> None:
+    for part in msg.parts:
+        if part.image is not None:
+            out.image(part.image)
+        else:
+            out.text(part.text or "")
+
+
+def _tool_result(out: _Parts, msg: Message, base_dir: str, index: int) -> None:
+    for part in msg.parts:
+        if part.image is not None:
+            out.image(part.image)
+            continue
+        for seg in parse_tool_content(part.text or "").segments:
+            if isinstance(seg, ImageField):
+                out.image(resolve_image(seg.source, base_dir, f"messages[{index}].content<image field>"))
+            else:
+                out.text(seg)
+
+
+def build_transcript(sample: Sample) -> _Parts:
+    out = _Parts()
+    known_calls = {c.id: c for m in sample.messages for c in m.tool_calls if c.id}
+    out.text("## Conversation\n")
+    for i, msg in enumerate(sample.messages):
+        if msg.role == "tool":
+            call = known_calls.get(msg.tool_call_id) if msg.tool_call_id else None
+            if call is not None:
+                out.text(f"[tool result: {call.name} (call {call.id})]\n")
+            else:   # orphan (the online shape): its own entry, never dropped
+                out.text(f"[tool: {msg.name or 'unknown'}]\n")
+            _tool_result(out, msg, sample.base_dir, i)
+        else:
+            out.text(f"[{msg.role}]\n")
+            _message_parts(out, msg)
+            for call in msg.tool_calls:
+                out.text(("\n" if msg.parts else "") + _call_text(call))
+        out.text("\n")
+    out.text("## Response to judge\n[assistant]\n")
+    resp = sample.response
+    if resp.content:
+        out.text(resp.content)
+    for j, call in enumerate(resp.tool_calls):
+        out.text(("\n" if resp.content or j else "") + _call_text(call))
+    return out
+
+
+# ---------------------------------------------------------------- renderer
+
+
+class Renderer:
+    def __init__(self, tokenizer, image_pre: images_lib.ImagePreprocessor, cfg: RenderConfig):
+        self.tokenizer = tokenizer
+        self.image_pre = image_pre
+        self.cfg = cfg
+        self.image_pad_id = tokenizer.convert_tokens_to_ids(cfg.image_pad_token)
+        if self.image_pad_id is None or self.image_pad_id == tokenizer.unk_token_id:
+            raise ValueError(f"tokenizer has no {cfg.image_pad_token!r} token")
+        self.verdict = target_lib.verdict_tokens(tokenizer)
+        self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else \
+            tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    @classmethod
+    def from_config(cls, data_cfg, tokenizer_dir: str, storage_dtype: str = "float32") -> "Renderer":
+        import transformers
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+        pre = images_lib.ImagePreprocessor.from_pretrained(
+            tokenizer_dir, images_lib.ImageBudget.from_config(data_cfg.image), storage_dtype)
+        return cls(tok, pre, RenderConfig.from_config(data_cfg))
+
+    def route(self, sample: Sample) -> str:
+        return ROUTE_TOOL_CALL if sample.response.calls_tools else ROUTE_TEXT_ONLY
+
+    def judge_chat(self, sample: Sample) -> tuple[list[dict], list[ImageRef]]:
+        contract = self.cfg.tool_contract if self.route(sample) == ROUTE_TOOL_CALL else self.cfg.text_contract
+        transcript = build_transcript(sample)
+        chat = [{"role": "system", "content": contract},
+                {"role": "user", "content": transcript.parts}]
+        return chat, transcript.images
+
+    def prompt_text(self, sample: Sample) -> tuple[str, list[ImageRef]]:
+        chat, refs = self.judge_chat(sample)
+        text = self.tokenizer.apply_chat_template(chat, tools=list(sample.tools) or None,
+                                                  add_generation_prompt=True, tokenize=False)
+        return text, refs
+
+    def target_text(self, sample: Sample) -> str:
+        return target_lib.serialize_label(sample.label, self.cfg.field_order, has_image=self._has_image(sample))
+
+    @staticmethod
+    def _has_image(sample: Sample) -> bool:
+        return bool(build_transcript(sample).images)
+
+    def _expand_images(self, ids: list[int], tokens_per_image: Sequence[int]) -> list[int]:
+        n_pads = sum(1 for t in ids if t == self.image_pad_id)
+        if n_pads != len(tokens_per_image):
+            raise SampleError("template_mismatch", "messages",
+                              f"chat template produced {n_pads} image placeholders for {len(tokens_per_image)} images")
+        out: list[int] = []
+        k = 0
+        for t in ids:
+            if t == self.image_pad_id:
+                out.extend([t] * tokens_per_image[k])
+                k += 1
+            else:
+                out.append(t)
+        return out
+
+    def render(self, sample: Sample, *, with_target: bool = True) -> JudgeInput:
+        """Raises SampleError (missing/corrupt image, template mismatch) with a reason."""
+        text, refs = self.prompt_text(sample)
+        pil = [images_lib.load_image(r.source, "image") for r in refs]
+        processed = self.image_pre(pil)
+        prompt_ids = self._expand_images(target_lib.encode_piece(self.tokenizer, text), processed.tokens_per_image)
+        target_ids: list[int] = []
+        verdict_pos = -1
+        if with_target:
+            if sample.label is None:
+                raise SampleError("missing_field", "label", "rendering a target needs a label")
+            pieces = target_lib.split_at_verdict(self.target_text(sample), sample.label.l3)
+            prefix_ids = target_lib.encode_piece(self.tokenizer, pieces.prefix)
+            verdict_ids = list(self.verdict.pass_ids if pieces.verdict == "pass" else self.verdict.fail_ids)
+            verdict_pos = len(prompt_ids) + len(prefix_ids)
+            target_ids = prefix_ids + verdict_ids + target_lib.encode_piece(self.tokenizer, pieces.rest) + [self.eos_id]
+        ids = np.asarray(prompt_ids + target_ids, np.int32)
+        mask = np.zeros(len(ids), np.uint8)
+        mask[len(prompt_ids):] = 1
+        label = -1 if sample.label is None else int(sample.label.l3 == "fail")
+        return JudgeInput(id=sample.id, prompt_id=sample.prompt_id, input_ids=ids, target_mask=mask,
+                         verdict_pos=verdict_pos, pixel_values=processed.pixel_values,
+                         image_grid_thw=processed.grid_thw, route=self.route(sample), label=label,
+                         has_image=bool(refs), n_image_tokens=int(sum(processed.tokens_per_image)),
+                         flags=sample.flags)
+
+    def scoring_prefix_ids(self) -> list[int] | None:
+        """Tokens appended after the prompt to reach the verdict slot (verdict-first only)."""
+        prefix = target_lib.verdict_prefix(self.cfg.field_order)
+        return None if prefix is None else target_lib.encode_piece(self.tokenizer, prefix)
+
+
+def resolve_tokenizer_dir(flag_value: str, input_path: str) -> str:
+    """--tokenizer, else <input folder>/tokenizer (what launch.synth writes)."""
+    path = flag_value or os.path.join(os.path.dirname(os.path.abspath(input_path)), "tokenizer")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tokenizer directory not found: {path} (pass --tokenizer=DIR)")
+    return path
