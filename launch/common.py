@@ -13,3 +13,13 @@ DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "tiny.py")
 def define_config_flag(default: str = DEFAULT_CONFIG):
     """`--config=configs/X.py --config.a.b=v` (ml_collections)."""
     return config_flags.DEFINE_config_file("config", default, "ml_collections config file", lock_config=False)
+
+
+def load_config(path: str):
+    """A config file's `get_config()`, outside absl flag parsing (demo, tests, benchmarks)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"rm_jax_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
