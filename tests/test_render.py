@@ -1,0 +1,143 @@
+"""Golden tests of the one renderer: transcript shape, routing, images in place, the slot."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from rm_jax.data import schema
+from rm_jax.data.render import ROUTE_TEXT_ONLY, ROUTE_TOOL_CALL, build_transcript
+
+
+def _png(path, size=(40, 24), colour=(200, 30, 30)):
+    from PIL import Image
+    Image.new("RGB", size, colour).save(path)
+
+
+@pytest.fixture()
+def sample_dir(tmp_path):
+    (tmp_path / "images").mkdir()
+    _png(tmp_path / "images" / "ref.png")
+    _png(tmp_path / "images" / "gen.png", (32, 48), (20, 20, 220))
+    return tmp_path
+
+
+def _sample(sample_dir, *, arguments, content=None, history_calls=False):
+    history = {"role": "assistant", "content": "Generating now."}
+    if history_calls:   # off the online shape: the call is known, its result attaches to it
+        history["tool_calls"] = [{"id": "call_7", "type": "function",
+                                  "function": {"name": "generate_image", "arguments": "{}"}}]
+    obj = {"id": "x1", "messages": [
+        {"role": "system", "content": "You are an image agent."},
+        {"role": "user", "content": [{"type": "text", "text": "Make 2 red circles at 2K like this "},
+                                     {"type": "image", "image": "images/ref.png"}]},
+        history,
+        {"role": "tool", "tool_call_id": "call_7", "name": "generate_image",
+         "content": json.dumps({"status": "ok", "images": [{"image": "images/gen.png", "width": 2048}]})},
+        {"role": "tool", "content": "Image ready: 2048x2048"},
+        {"role": "user", "content": "Now make them 16:9"}],
+        "tools": [{"type": "function", "function": {"name": "change_aspect_ratio", "parameters": {
+            "type": "object", "properties": {"aspect_ratio": {"type": "string"}}, "required": ["aspect_ratio"]}}}],
+        "response": {"content": content, "tool_calls": [] if arguments is None else [
+            {"id": "c1", "type": "function", "function": {"name": "change_aspect_ratio", "arguments": arguments}}]},
+        "label": {"l3": "pass", "reason": "asks \"pass\" questions", "issues": [], "img": 8}}
+    return schema.parse_sample(obj, line=3, base_dir=str(sample_dir))
+
+
+GOLDEN_TOOL_CALL = (
+    "## Conversation\n"
+    "[system]\nYou are an image agent.\n"
+    "[user]\nMake 2 red circles at 2K like this <IMG>\n"
+    "[assistant]\nGenerating now.\n"
+    "[tool: generate_image]\nstatus: ok, images: [{image: <IMG>, width: 2048}]\n"
+    "[tool: unknown]\nImage ready: 2048x2048\n"
+    "[user]\nNow make them 16:9\n"
+    "## Response to judge\n[assistant]\n"
+    '<tool_call>\n{"name": "change_aspect_ratio", "arguments": {"aspect_ratio": "16:9"}}\n</tool_call>')
+
+
+def _flat(transcript):
+    return "".join(p["text"] if p["type"] == "text" else "<IMG>" for p in transcript.parts)
+
+
+@pytest.mark.parametrize("levels", [1, 2, 3, 4])
+def test_golden_transcript_online_shape(sample_dir, levels):
+    args = {"aspect_ratio": "16:9"}
+    for _ in range(levels):
+        args = json.dumps(args)
+    s = _sample(sample_dir, arguments=args)
+    t = build_transcript(s)
+    assert _flat(t) == GOLDEN_TOOL_CALL   # orphans shown, images in place, args decoded
+    assert [os.path.basename(r.source) for r in t.images] == ["ref.png", "gen.png"]
+    assert s.response.tool_calls[0].encode_depth == levels
+
+
+def test_matched_tool_result_attaches_to_its_call(sample_dir):
+    t = _flat(build_transcript(_sample(sample_dir, arguments={"aspect_ratio": "16:9"}, history_calls=True)))
+    assert "[tool result: generate_image (call call_7)]" in t
+    assert "[tool: unknown]\nImage ready" in t                      # the orphan is still its own entry
+    assert '"name": "generate_image", "arguments": {}' in t         # history calls kept when present
+
+
+def test_five_level_arguments_shown_raw_and_flagged(sample_dir):
+    raw = {"aspect_ratio": "16:9"}
+    for _ in range(5):
+        raw = json.dumps(raw)
+    s = _sample(sample_dir, arguments=raw)
+    assert s.flags == ("args_undecodable",)
+    assert json.dumps(raw) in _flat(build_transcript(s))
+
+
+def test_route_and_contract(sample_dir, renderer):
+    tool = _sample(sample_dir, arguments={"aspect_ratio": "16:9"})
+    text = _sample(sample_dir, arguments=None, content="Done: two 16:9 images are ready.")
+    assert renderer.route(tool) == ROUTE_TOOL_CALL and renderer.route(text) == ROUTE_TEXT_ONLY
+    tool_prompt, _ = renderer.prompt_text(tool)
+    text_prompt, _ = renderer.prompt_text(text)
+    assert renderer.cfg.tool_contract in tool_prompt and renderer.cfg.text_contract not in tool_prompt
+    assert renderer.cfg.text_contract in text_prompt and renderer.cfg.tool_contract not in text_prompt
+    assert "change_aspect_ratio" in tool_prompt.split("## Conversation")[0]   # tool schemas via the template
+
+
+def test_render_tokens_images_mask_and_slot(sample_dir, renderer):
+    s = _sample(sample_dir, arguments={"aspect_ratio": "16:9"})
+    ex = renderer.render(s)
+    tok = renderer.tokenizer
+    n_pad = int((ex.input_ids == renderer.image_pad_id).sum())
+    assert n_pad == ex.n_image_tokens == sum(int(g.prod()) // 4 for g in ex.image_grid_thw)
+    assert ex.image_grid_thw.shape == (2, 3) and ex.pixel_values.shape[0] == ex.image_grid_thw.prod(-1).sum()
+    target = tok.decode(ex.input_ids[ex.target_mask == 1])
+    assert target == '{"l3": "pass", "reason": "asks \\"pass\\" questions", "issues": [], "img": 8}<|im_end|>'
+    assert ex.input_ids[ex.verdict_pos] == renderer.verdict.pass_id
+    assert tok.decode(ex.input_ids[:ex.verdict_pos]).endswith('<|im_start|>assistant\n{"l3": "')
+    # scoring sees the same tokens up to the slot
+    prompt = renderer.render(s, with_target=False)
+    assert np.array_equal(np.concatenate([prompt.input_ids, renderer.scoring_prefix_ids()]),
+                          ex.input_ids[:ex.verdict_pos])
+    assert np.array_equal(prompt.pixel_values, ex.pixel_values)
+
+
+def test_missing_and_corrupt_tool_images_reject(sample_dir, renderer):
+    from rm_jax.data.schema import SampleError
+    s = _sample(sample_dir, arguments={"aspect_ratio": "16:9"})
+    (sample_dir / "images" / "gen.png").write_bytes(b"\x89PNG garbage")
+    with pytest.raises(SampleError) as e:
+        renderer.render(s)
+    assert e.value.reason == "corrupt_image"
+    os.remove(sample_dir / "images" / "gen.png")
+    with pytest.raises(SampleError) as e:
+        renderer.render(s)
+    assert e.value.reason == "missing_image"
+
+
+def test_image_token_cap(renderer):
+    from PIL import Image
+    from rm_jax.data.images import ImageBudget, ImagePreprocessor, thumbnail
+    capped = ImagePreprocessor(renderer.image_pre.processor, ImageBudget(max_pixels=1 << 20, min_pixels=256,
+                                                                        max_image_tokens=12))
+    out = capped([Image.new("RGB", (300, 200))])
+    assert out.tokens_per_image[0] <= 12
+    assert capped.tokens_for(300, 200) == out.tokens_per_image[0]
+    assert thumbnail(Image.new("RGB", (2048, 1024)), 512).size == (512, 256)
+    assert thumbnail(Image.new("RGB", (100, 50)), 512).size == (100, 50)
