@@ -61,8 +61,8 @@ def data_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         dir="",                      # built shards (launch.build_data --out)
         tokenizer="",                # tokenizer dir; default: <input folder>/tokenizer
-        max_len=1536,                # text + image tokens; longer samples are rejected as too_long
-        buckets=[512, 1024, 1280, 1536],  # padded lengths: static shapes, few compiles
+        max_len=1024,                # text + image tokens; longer samples are rejected as too_long
+        buckets=[512, 768, 1024],  # padded lengths: static shapes, few compiles
         field_order=["l3", "reason", "issues", "img"],  # verdict first; reason-first is ablation only
         oversample_fail=3,           # failures repeated x3 in the training split only
         heldout_fraction=0.15,       # by prompt_id

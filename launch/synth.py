@@ -1,0 +1,28 @@
+"""Writes the embedded default data set: DIR/samples.jsonl, DIR/images/, DIR/tokenizer/.
+
+    python -m launch.synth --out=DIR --n=N [--seed=S] [--fail_rate=0.08]
+
+Same seed, same bytes (see rm_jax/data/synth.py for how labels avoid surface shortcuts).
+"""
+
+from absl import app, flags, logging
+
+from rm_jax.data import synth
+
+_OUT = flags.DEFINE_string("out", None, "output folder", required=True)
+_N = flags.DEFINE_integer("n", 2000, "number of samples (responses; 3 per prompt)")
+_SEED = flags.DEFINE_integer("seed", 0, "random seed")
+_FAIL_RATE = flags.DEFINE_float("fail_rate", 0.08, "probability that a response is a failure")
+_VOCAB = flags.DEFINE_integer("vocab_size", 4096, "BPE vocabulary size (<= the tiny model's)")
+
+
+def main(argv):
+    del argv
+    summary = synth.write_dataset(_OUT.value, _N.value, seed=_SEED.value, fail_rate=_FAIL_RATE.value,
+                                  vocab_size=_VOCAB.value)
+    logging.info("wrote %s: %s", _OUT.value, summary)
+    print(summary)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,308 @@
+"""The synthetic data set (rm_jax.data.synth) and its tokenizer directory (tokenizer_build).
+
+One 2000-sample set is generated per module (a few seconds) and shared by the tests.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import re
+import string
+
+import numpy as np
+import pytest
+
+from configs import judge_contracts, tiny
+from rm_jax.data import synth
+
+N = 2000
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("synth"))
+    summary = synth.write_dataset(out, N, seed=0, fail_rate=0.08)
+    with open(os.path.join(out, "samples.jsonl"), encoding="utf-8") as f:
+        samples = [json.loads(line) for line in f]
+    return out, samples, summary
+
+
+# ---------------------------------------------------------------- a small local contract check
+
+
+def _decode_args(args):
+    """Returns (object, number of JSON decodes needed)."""
+    depth = 0
+    while isinstance(args, str) and depth < 4:
+        args = json.loads(args)
+        depth += 1
+    return args, depth
+
+
+def _check_parts(content, where):
+    if isinstance(content, str):
+        return
+    assert isinstance(content, list) and content, where
+    for p in content:
+        assert p["type"] in ("text", "image"), where
+        if p["type"] == "text":
+            assert isinstance(p["text"], str), where
+        else:
+            assert isinstance(p["image"], str), where
+
+
+def check_contract(s: dict) -> None:
+    where = s.get("id")
+    assert set(s) <= {"id", "prompt_id", "messages", "tools", "response", "reference_reply", "label"}, where
+    assert re.fullmatch(r"p\d+-s\d+", s["id"]) and s["id"].startswith(s["prompt_id"] + "-"), where
+    assert isinstance(s["messages"], list) and s["messages"], where
+    for m in s["messages"]:
+        assert m["role"] in ("system", "user", "assistant", "tool"), where
+        if m["role"] == "assistant":
+            assert "tool_calls" not in m, f"{where}: history assistant turns carry no tool_calls (online shape)"
+        if m["role"] == "tool":
+            assert isinstance(m["content"], str), where
+            json.loads(m["content"])        # a JSON string, as online
+            assert set(m) <= {"role", "tool_call_id", "name", "content"}, where
+        else:
+            _check_parts(m["content"], where)
+    names = set()
+    for t in s["tools"]:
+        assert t["type"] == "function", where
+        fn = t["function"]
+        names.add(fn["name"])
+        params = fn["parameters"]
+        assert params["type"] == "object" and set(params["required"]) <= set(params["properties"]), where
+    resp = s["response"]
+    assert set(resp) == {"content", "tool_calls"}, where
+    assert resp["content"] is None or isinstance(resp["content"], str), where
+    assert resp["content"] or resp["tool_calls"], where
+    for c in resp["tool_calls"]:
+        assert c["type"] == "function" and c["id"], where
+        assert c["function"]["name"] in names, f"{where}: calls a tool the sample does not list"
+        args, _ = _decode_args(c["function"]["arguments"])
+        assert isinstance(args, dict), where
+        props = next(t for t in s["tools"] if t["function"]["name"] == c["function"]["name"])["function"]["parameters"]
+        assert set(args) <= set(props["properties"]), where
+        for k, v in args.items():
+            enum = props["properties"][k].get("enum")
+            assert enum is None or v in enum, f"{where}: {k}={v!r} not in the schema enum"
+    if not resp["tool_calls"]:
+        assert isinstance(s.get("reference_reply"), str) and s["reference_reply"], where
+    lab = s["label"]
+    assert list(lab) == ["l3", "reason", "issues", "img"], where
+    assert lab["l3"] in ("pass", "fail") and isinstance(lab["reason"], str) and lab["reason"], where
+    assert "\n" not in lab["reason"] and len(lab["reason"]) < 160, where
+    assert isinstance(lab["issues"], list) and (lab["issues"] == []) == (lab["l3"] == "pass"), where
+    family = judge_contracts.TOOL_CALL_ISSUES if resp["tool_calls"] else judge_contracts.TEXT_ONLY_ISSUES
+    assert all(i in family for i in lab["issues"]), f"{where}: issue from the wrong contract"
+    assert lab["img"] is None or (isinstance(lab["img"], int) and 0 <= lab["img"] <= 10), where
+
+
+def conversation_images(s: dict) -> list[str]:
+    out = []
+    for m in s["messages"]:
+        c = m["content"]
+        if m["role"] == "tool":
+            payload = json.loads(c)
+            out += [im["image"] for im in payload.get("images", [])]
+        elif isinstance(c, list):
+            out += [p["image"] for p in c if p["type"] == "image"]
+    return out
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_contract_and_images(dataset):
+    out, samples, summary = dataset
+    assert len(samples) == N == summary["n"]
+    assert len({s["id"] for s in samples}) == N
+    for s in samples:
+        check_contract(s)
+        imgs = conversation_images(s)
+        assert len(imgs) <= 2, s["id"]
+        for p in imgs:
+            assert os.path.isfile(os.path.join(out, p)), f"{s['id']}: {p} missing"
+        # img is null exactly when the conversation holds no image.
+        assert (s["label"]["img"] is None) == (not imgs), s["id"]
+    assert any(conversation_images(s) for s in samples) and any(not conversation_images(s) for s in samples)
+
+
+def test_reference_images_are_varied_non_square(dataset):
+    from PIL import Image
+    out, _, _ = dataset
+    refs = sorted(f for f in os.listdir(os.path.join(out, "images")) if f.startswith("ref_"))[:40]
+    sizes = [Image.open(os.path.join(out, "images", f)).size for f in refs]
+    assert all(w != h and 48 <= w <= 96 and 48 <= h <= 96 for w, h in sizes)
+    assert len(set(sizes)) > 10
+
+
+def test_online_shape(dataset):
+    _, samples, _ = dataset
+    tool_msgs = [m for s in samples for m in s["messages"] if m["role"] == "tool"]
+    assert any("tool_call_id" in m for m in tool_msgs) and any("tool_call_id" not in m for m in tool_msgs)
+    depths = collections.Counter(_decode_args(c["function"]["arguments"])[1]
+                                 for s in samples for c in s["response"]["tool_calls"])
+    assert set(depths) == {0, 1, 2}, depths     # object, JSON string, double-encoded
+
+
+def test_label_mix(dataset):
+    _, samples, summary = dataset
+    n_fail = sum(s["label"]["l3"] == "fail" for s in samples)
+    rate = n_fail / len(samples)
+    print(f"fail rate {rate:.4f}, tool-call share {summary['tool_call_share']:.3f}")
+    assert abs(rate - 0.08) < 0.025
+    assert 0.45 < summary["tool_call_share"] < 0.65
+    issues = collections.Counter(i for s in samples for i in s["label"]["issues"])
+    assert len(set(issues) & set(judge_contracts.TOOL_CALL_ISSUES)) >= 4, issues
+    assert len(set(issues) & set(judge_contracts.TEXT_ONLY_ISSUES)) >= 4, issues
+    # Groups of 3 per prompt; some groups mix verdicts (what GRPO needs).
+    groups = collections.defaultdict(set)
+    for s in samples:
+        groups[s["prompt_id"]].add(s["label"]["l3"])
+    assert max(len([s for s in samples if s["prompt_id"] == "p0"]), 1) == 3
+    assert sum(len(v) == 2 for v in groups.values()) >= 20
+
+
+def test_fail_rate_flag(tmp_path):
+    samples = synth.generate(synth.SynthConfig(n=900, seed=3, fail_rate=0.3), str(tmp_path))
+    rate = np.mean([s["label"]["l3"] == "fail" for s in samples])
+    assert abs(rate - 0.3) < 0.06, rate
+
+
+def _digest(folder: str) -> str:
+    h = hashlib.sha256()
+    for root, _, files in sorted(os.walk(folder)):
+        for f in sorted(files):
+            h.update(f.encode())
+            with open(os.path.join(root, f), "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+def test_deterministic(tmp_path):
+    a, b, c = (str(tmp_path / x) for x in "abc")
+    for d, seed in ((a, 7), (b, 7), (c, 8)):
+        synth.write_dataset(d, 150, seed=seed, with_tokenizer=d != c)
+    assert _digest(a) == _digest(b)     # samples, images and tokenizer files
+    with open(os.path.join(a, "samples.jsonl"), "rb") as fa, open(os.path.join(c, "samples.jsonl"), "rb") as fc:
+        assert fa.read() != fc.read()
+
+
+def test_cli(tmp_path):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = str(tmp_path / "cli")
+    subprocess.run([sys.executable, "-m", "launch.synth", f"--out={out}", "--n=31", "--seed=2", "--fail_rate=0.5"],
+                   cwd=root, check=True, capture_output=True)
+    with open(os.path.join(out, "samples.jsonl"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) == 31 and lines[-1].startswith('{"id": "p10-s0"')
+    assert os.path.isfile(os.path.join(out, "tokenizer", "tokenizer.json"))
+    assert os.path.isfile(os.path.join(out, "tokenizer", "preprocessor_config.json"))
+
+
+# ---------------------------------------------------------------- no shortcut to the label
+
+_PUNCT = set(string.punctuation)
+
+
+def surface_features(resp: dict) -> list[float]:
+    """Length and format of the response alone: what a lazy judge could key on."""
+    content = resp["content"] or ""
+    calls = resp["tool_calls"]
+    raw = content + "".join(json.dumps(c, ensure_ascii=False) for c in calls)
+    decoded = [_decode_args(c["function"]["arguments"]) for c in calls]
+    words = re.findall(r"\w+", raw)
+    return [len(raw), len(calls), float(bool(content)), float(any(ch.isdigit() for ch in raw)),
+            sum(ch.isdigit() for ch in raw), max((d for _, d in decoded), default=0),
+            sum(d for _, d in decoded), len(words), sum(ch in _PUNCT for ch in raw),
+            sum(len(a) for a, _ in decoded), raw.count("\\"), sum(ch.isupper() for ch in raw),
+            float(np.mean([len(w) for w in words])) if words else 0.0, len(content)]
+
+
+def test_no_surface_shortcut(dataset):
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import roc_auc_score
+    from sklearn.model_selection import GroupShuffleSplit
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    _, samples, _ = dataset
+    x = np.array([surface_features(s["response"]) for s in samples])
+    y = np.array([s["label"]["l3"] == "fail" for s in samples], dtype=int)
+    groups = [s["prompt_id"] for s in samples]
+    aucs = []
+    for tr, te in GroupShuffleSplit(n_splits=3, test_size=0.3, random_state=0).split(x, y, groups):
+        clf = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000, class_weight="balanced"))
+        clf.fit(x[tr], y[tr])
+        aucs.append(roc_auc_score(y[te], clf.predict_proba(x[te])[:, 1]))
+    auc = float(np.mean(aucs))
+    print(f"surface-feature logistic regression held-out AUC {auc:.3f} (splits {np.round(aucs, 3)})")
+    assert auc < 0.65
+
+
+# ---------------------------------------------------------------- tokenizer directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(dataset):
+    import transformers
+    return transformers.AutoTokenizer.from_pretrained(os.path.join(dataset[0], "tokenizer"))
+
+
+def test_special_tokens_and_verdict_tokens(tokenizer):
+    for i, t in enumerate(tiny.SPECIAL_TOKENS):
+        assert tokenizer.convert_tokens_to_ids(t) == i
+    assert len(tokenizer) <= tiny.model_config().text_config.vocab_size
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    p = tokenizer("pass", add_special_tokens=False)["input_ids"]
+    f = tokenizer("fail", add_special_tokens=False)["input_ids"]
+    print(f"vocab {len(tokenizer)}; pass -> {p}, fail -> {f}")
+    assert p[0] != f[0]
+    # In context the verdict is the same single token right after the '{"l3": "' prefix.
+    prefix = tokenizer('{"l3": "', add_special_tokens=False)["input_ids"]
+    for word, ids in (("pass", p), ("fail", f)):
+        full = tokenizer('{"l3": "' + word + '", "reason": "x"', add_special_tokens=False)["input_ids"]
+        assert full[:len(prefix)] == prefix and full[len(prefix)] == ids[0]
+
+
+def test_chat_template_tools_images_tool_calls(dataset, tokenizer):
+    _, samples, _ = dataset
+    s = next(x for x in samples if any(m["role"] == "tool" for m in x["messages"]) and x["response"]["tool_calls"])
+    messages = s["messages"] + [{"role": "assistant", "content": None, "tool_calls": s["response"]["tool_calls"]}]
+    text = tokenizer.apply_chat_template(messages, tools=s["tools"], add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\n") and "<tools>\n" in text and "\n</tools>" in text
+    for t in s["tools"]:
+        assert json.dumps(t, ensure_ascii=False) in text
+    assert "<|im_start|>user\n<tool_response>\n" in text and "\n</tool_response><|im_end|>" in text
+    assert "<tool_call>\n{\"name\": \"" in text and "\n</tool_call>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    # One pad per image, for images in content parts.
+    parts = [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "hi"},
+                                          {"type": "image", "image": "b.png"}]}]
+    t2 = tokenizer.apply_chat_template(parts, add_generation_prompt=False, tokenize=False)
+    assert t2 == ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hi"
+                  "<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n")
+    ids = tokenizer.apply_chat_template(parts, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert list(ids).count(tiny.SPECIAL_TOKENS.index("<|image_pad|>")) == 2
+
+
+def test_image_processor(dataset):
+    import transformers
+    from PIL import Image
+    out = dataset[0]
+    proc = transformers.AutoImageProcessor.from_pretrained(os.path.join(out, "tokenizer"))
+    img_cfg = tiny.data_config().image
+    assert proc.patch_size == 8 and proc.merge_size == 2 and proc.temporal_patch_size == 2
+    assert proc.size["longest_edge"] == img_cfg.max_pixels and proc.size["shortest_edge"] == img_cfg.min_pixels
+    ref = next(f for f in sorted(os.listdir(os.path.join(out, "images"))) if f.startswith("ref_"))
+    res = proc(images=[Image.open(os.path.join(out, "images", ref)).convert("RGB")], return_tensors="np")
+    t, h, w = res["image_grid_thw"][0]
+    assert t == 1 and h % 2 == 0 and w % 2 == 0
