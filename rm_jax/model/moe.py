@@ -1,0 +1,299 @@
+"""Sparse Mixture-of-Experts block (Qwen3-VL-MoE / Qwen3-MoE), one interface, three backends.
+
+The block computes exactly what transformers' ``Qwen3VLMoeTextSparseMoeBlock`` computes: router
+logits, softmax over experts, top-k on the probabilities, top-k weights renormalized
+(``norm_topk_prob``), expert MLP ``down(silu(gate(x)) * up(x))``, weighted sum over the k picks.
+``SparseMoeBlock(x_btd) -> (y_btd, MoeAux)``; the backend is a config field with a per-call
+override, so model code never branches on it.
+
+Design choices:
+
+* **Router in fp32.** Logits, softmax, top-k and renormalization run in fp32 whatever the
+  activation dtype: in bf16 near-tied experts flip between runs and between backends, which makes
+  routing (a discrete choice) irreproducible, and the z-loss squares the logsumexp so it needs the
+  range. transformers computes the logits in the activation dtype and only the softmax in fp32;
+  in fp32 (the parity tests) the two agree bit for bit on the routing.
+* **Dropless sorted grouped matmul ("ragged", the default).** Each token is repeated top_k
+  times, the assignments are stably sorted by expert id, and each expert's contiguous group goes
+  through one grouped matmul (``tokamax.ragged_dot``, which picks a Mosaic/Triton kernel on GPU and
+  falls back to XLA's ``ragged_dot`` on CPU; ``jax.lax.ragged_dot`` is selectable). Shapes stay
+  static (``tokens * top_k`` rows whatever the routing) and nothing is dropped: no capacity factor
+  means no token silently loses an expert, so training equals inference equals transformers.
+  On CPU, XLA expands ``ragged_dot`` into a masked dense matmul over all experts (E times the
+  FLOPs; ``benchmarks/moe_flops.py`` measures it): fine for tests, the speed lives on GPU kernels.
+* **Token-local sorting under a mesh.** A global argsort over batch-sharded tokens would gather
+  every token on every device. Under a mesh the ragged computation therefore runs inside
+  ``jax.shard_map``: each device sorts only its own tokens. Without expert parallelism the expert
+  weights are all-gathered at use (FSDP-only experts, the measured winner on one 8-GPU host).
+* **Ring expert parallelism ("ep_ring").** Each rank of the mesh axis ``expert`` holds E/ep
+  experts. Tokens are all-gathered over ``expert``, every rank runs its local experts on the
+  assignments routed to them (the others sort past the last group and contribute zero), and
+  ``psum_scatter`` sums the partial outputs while handing each rank back its own tokens. Two
+  bandwidth-optimal collectives with static shapes and no capacity: unlike an all-to-all
+  dispatch it cannot drop tokens and needs no per-step size exchange. ``ragged_all_to_all`` is
+  an experiment, not a default (DESIGN §3).
+* **Tensor parallelism** splits the expert intermediate dim over ``tensor`` (logical ``mlp``);
+  partial down-projections are summed with one ``psum``.
+* **"dense"** evaluates every expert on every token: E/k times the FLOPs, but no sorting,
+  gathering or collectives, so it is the oracle the other backends are tested against.
+
+Aux statistics (load-balancing loss, z-loss, per-expert counts) are computed from the global
+router outputs outside any ``shard_map``, so they are identical for every backend and mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import tokamax
+from absl import flags
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from rm_jax.sharding import LOGICAL_RULES, constrain, logical_to_spec
+
+BACKENDS = ("dense", "ragged", "ep_ring")
+RAGGED_DOT_IMPLS = ("tokamax", "lax")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    d_model: int          # hidden size H
+    d_ff: int             # per-expert intermediate size I (HF moe_intermediate_size)
+    num_experts: int      # E
+    top_k: int            # k (HF num_experts_per_tok)
+    norm_topk_prob: bool = True
+    backend: str = "ragged"         # "dense" (test oracle only) | "ragged" | "ep_ring"
+    ragged_dot: str = "tokamax"     # grouped-matmul implementation: "tokamax" | "lax"
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"MoeConfig.backend={self.backend!r}; expected one of {BACKENDS}")
+        if self.ragged_dot not in RAGGED_DOT_IMPLS:
+            raise ValueError(f"MoeConfig.ragged_dot={self.ragged_dot!r}; expected one of {RAGGED_DOT_IMPLS}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"MoeConfig.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+
+
+@flax.struct.dataclass
+class MoeAux:
+    lb_loss: jax.Array          # scalar, unscaled Switch/Qwen load-balancing loss of this layer
+    z_loss: jax.Array           # scalar, mean over tokens of logsumexp(router_logits)^2
+    expert_counts: jax.Array    # [E] int32, token-assignments per expert (top-k counted)
+    # [E] fp32 mean router probability per expert. transformers' loss for a whole model is
+    # E * sum_e mean_l(counts_le / T) * mean_l(prob_le), not the mean of per-layer losses;
+    # expert_counts and router_prob_mean of every layer reproduce it exactly.
+    router_prob_mean: jax.Array | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Routing and aux statistics
+# --------------------------------------------------------------------------------------------
+
+def route(x_td: jax.Array, router_de: jax.Array, top_k: int, norm_topk_prob: bool):
+    """fp32 logits [T, E], probabilities [T, E], top-k weights [T, k] and expert ids [T, k]."""
+    logits_te = jnp.dot(x_td.astype(jnp.float32), router_de.astype(jnp.float32))
+    logits_te = constrain(logits_te, ("tokens", None))
+    probs_te = jax.nn.softmax(logits_te, axis=-1)
+    # Top-k on the probabilities as transformers does. lax.top_k breaks exact ties towards the
+    # lower expert id; torch.topk's tie order is unspecified (not index order, even on CPU), so
+    # exactly tied experts (e.g. an all-zero router) may be picked differently, with equal weights.
+    weights_tk, experts_tk = jax.lax.top_k(probs_te, top_k)
+    if norm_topk_prob:
+        weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
+    return logits_te, probs_te, weights_tk, experts_tk.astype(jnp.int32)
+
+
+def aux_stats(logits_te, probs_te, experts_tk, mask_t=None) -> MoeAux:
+    """Aux losses over real tokens; ``mask_t`` (1 = token, 0 = padding) matches HF's masked branch."""
+    num_experts = logits_te.shape[-1]
+    mask_t = jnp.ones(logits_te.shape[:1], jnp.float32) if mask_t is None else mask_t.astype(jnp.float32)
+    n_tokens = jnp.maximum(jnp.sum(mask_t), 1.0)
+    mask_tk = jnp.broadcast_to(mask_t[:, None], experts_tk.shape)
+    counts_e = jnp.zeros((num_experts,), jnp.float32).at[experts_tk.reshape(-1)].add(mask_tk.reshape(-1))
+    prob_mean_e = jnp.sum(probs_te * mask_t[:, None], axis=0) / n_tokens
+    lb_loss = num_experts * jnp.sum(counts_e / n_tokens * prob_mean_e)
+    z_loss = jnp.sum(jax.nn.logsumexp(logits_te, axis=-1) ** 2 * mask_t) / n_tokens
+    return MoeAux(lb_loss=lb_loss, z_loss=z_loss, expert_counts=counts_e.astype(jnp.int32),
+                  router_prob_mean=prob_mean_e)
+
+
+# --------------------------------------------------------------------------------------------
+# Expert computation
+# --------------------------------------------------------------------------------------------
+
+def _ragged_dot(lhs_mk, rhs_ekn, group_sizes_e, impl: str):
+    if impl == "tokamax":
+        # tokamax reads absl flags and, if nothing parsed them yet, parses sys.argv itself, which
+        # raises under non-absl entry points (pytest, notebooks). Its defaults are what we want;
+        # an absl app.run started later still parses its own flags.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        return tokamax.ragged_dot(lhs_mk, rhs_ekn, group_sizes_e)
+    return jax.lax.ragged_dot(lhs_mk, rhs_ekn, group_sizes_e)
+
+
+def dense_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd):
+    """Oracle: every expert on every token, combined with the (mostly zero) routing weights."""
+    gate_etf = jnp.einsum("td,edf->etf", x_td, wi_gate_edf)
+    up_etf = jnp.einsum("td,edf->etf", x_td, wi_up_edf)
+    out_etd = jnp.einsum("etf,efd->etd", jax.nn.silu(gate_etf) * up_etf, wo_efd)
+    onehot_tke = jax.nn.one_hot(experts_tk, wi_gate_edf.shape[0], dtype=out_etd.dtype)
+    combine_te = jnp.einsum("tk,tke->te", weights_tk.astype(out_etd.dtype), onehot_tke)
+    return jnp.einsum("te,etd->td", combine_te, out_etd)
+
+
+def sorted_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd, *,
+                   first_expert=0, impl: str = "tokamax"):
+    """Dropless grouped matmul over the experts held here: ids [first_expert, first_expert + E_local).
+
+    Assignments to other experts get the sentinel key E_local, so the stable sort puts them after
+    every local group. Those rows lie past sum(group_sizes): XLA's ragged_dot zero-fills them but a
+    kernel need not, so they are zeroed explicitly.
+    """
+    n_tokens, top_k = experts_tk.shape
+    n_local = wi_gate_edf.shape[0]
+    local_m = experts_tk.reshape(-1) - first_expert
+    is_local_m = (local_m >= 0) & (local_m < n_local)
+    key_m = jnp.where(is_local_m, local_m, n_local)
+    order_m = jnp.argsort(key_m, stable=True)
+    group_sizes_e = jnp.bincount(key_m, length=n_local + 1)[:n_local].astype(jnp.int32)
+
+    x_md = x_td[order_m // top_k]
+    gate_mf = _ragged_dot(x_md, wi_gate_edf, group_sizes_e, impl)
+    up_mf = _ragged_dot(x_md, wi_up_edf, group_sizes_e, impl)
+    out_md = _ragged_dot(jax.nn.silu(gate_mf) * up_mf, wo_efd, group_sizes_e, impl)
+    out_md = jnp.where(is_local_m[order_m][:, None], out_md, 0)
+
+    # Unsort with the inverse permutation (a gather) rather than a scatter-add of duplicates.
+    n_rows = order_m.shape[0]
+    inverse_m = jnp.zeros_like(order_m).at[order_m].set(jnp.arange(n_rows, dtype=order_m.dtype))
+    out_tkd = out_md[inverse_m].reshape(n_tokens, top_k, -1)
+    return jnp.einsum("tkd,tk->td", out_tkd, weights_tk.astype(out_tkd.dtype))
+
+
+def _mesh_or_none():
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return None
+    return mesh
+
+
+def sharded_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd, *, mesh,
+                    expert_parallel: bool, impl: str):
+    """Run ``sorted_experts`` per token shard under ``shard_map``; optionally ring EP over ``expert``."""
+    num_experts, _, d_ff = wi_gate_edf.shape
+    token_axes = logical_to_spec(("tokens",))[0]
+    token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes)
+    ep = mesh.shape["expert"] if expert_parallel else 1
+    if num_experts % ep:
+        raise ValueError(f"num_experts={num_experts} is not divisible by the mesh 'expert' axis size {ep}")
+    # The intermediate dim is split over `tensor` only when it divides; otherwise each tensor rank
+    # computes the full expert (correct, merely redundant).
+    tp_axis = logical_to_spec(("mlp",))[0]
+    tp = mesh.shape[tp_axis] if tp_axis is not None and d_ff % mesh.shape[tp_axis] == 0 else 1
+    tp_axis = tp_axis if tp > 1 else None
+    exp_axis = "expert" if ep > 1 else None
+
+    # Pad the token count to the number of token shards; padded rows carry zero routing weight.
+    n_shards = math.prod(mesh.shape[a] for a in token_axes)
+    n_tokens = x_td.shape[0]
+    pad = -n_tokens % n_shards
+    if pad:
+        x_td = jnp.pad(x_td, ((0, pad), (0, 0)))
+        weights_tk = jnp.pad(weights_tk, ((0, pad), (0, 0)))
+        experts_tk = jnp.pad(experts_tk, ((0, pad), (0, 0)))
+
+    def local(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd):
+        first_expert = 0
+        if exp_axis:
+            x_td, weights_tk, experts_tk = (jax.lax.all_gather(a, exp_axis, axis=0, tiled=True)
+                                            for a in (x_td, weights_tk, experts_tk))
+            first_expert = jax.lax.axis_index(exp_axis) * (num_experts // ep)
+        y_td = sorted_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd,
+                              first_expert=first_expert, impl=impl)
+        if exp_axis:
+            y_td = jax.lax.psum_scatter(y_td, exp_axis, scatter_dimension=0, tiled=True)
+        if tp_axis:
+            y_td = jax.lax.psum(y_td, tp_axis)
+        return y_td
+
+    tokens = P(token_axes, None)
+    y_td = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(tokens, tokens, tokens, P(exp_axis, None, tp_axis), P(exp_axis, None, tp_axis),
+                  P(exp_axis, tp_axis, None)),
+        out_specs=tokens,
+    )(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd)
+    return y_td[:n_tokens]
+
+
+# --------------------------------------------------------------------------------------------
+# Module
+# --------------------------------------------------------------------------------------------
+
+def _param(init, key, shape, param_dtype, names):
+    # Logical names stay in the metadata; sharding_rules lets flax map them to mesh axes through
+    # the one rules table (nnx.get_partition_spec gives the jit shardings). Created under a mesh,
+    # the value is sharded at once; without one there is nothing to shard onto.
+    return nnx.Param(init(key, shape, param_dtype), out_sharding=names, sharding_rules=LOGICAL_RULES,
+                     eager_sharding=_mesh_or_none() is not None)
+
+
+class SparseMoeBlock(nnx.Module):
+    """Qwen3-VL-MoE sparse MoE block: ``(y_btd, MoeAux) = block(x_btd)``.
+
+    HF layout (transformers 5.x, ``Qwen3VLMoeTextExperts``) -> ours:
+      mlp.gate.weight           [E, H]     -> router_de   = weight.T                    [H, E]
+      mlp.experts.gate_up_proj  [E, 2I, H] -> wi_gate_edf = gate_up_proj[:, :I, :].mT   [E, H, I]
+                                              wi_up_edf   = gate_up_proj[:, I:, :].mT   [E, H, I]
+      mlp.experts.down_proj     [E, H, I]  -> wo_efd      = down_proj.mT                [E, I, H]
+    (gate rows first: HF does ``linear(x, gate_up_proj[e]).chunk(2, dim=-1)`` -> gate, up.)
+    Published Qwen3-VL-MoE safetensors store gate_up_proj as [E, H, 2I] (x @ W orientation):
+    there wi_gate_edf = W[..., :I] and wi_up_edf = W[..., I:], and down_proj [E, I, H] is wo_efd.
+    """
+
+    def __init__(self, cfg: MoeConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.cfg = cfg
+        self.dtype = dtype
+        h, f, e = cfg.d_model, cfg.d_ff, cfg.num_experts
+        # Fan-in scaling per expert (dims 0 is the expert batch axis) keeps activations O(1).
+        init = jax.nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        router_init = jax.nn.initializers.lecun_normal(in_axis=0, out_axis=1)
+        self.router_de = _param(router_init, rngs.params(), (h, e), param_dtype, ("embed", None))
+        self.wi_gate_edf = _param(init, rngs.params(), (e, h, f), param_dtype, ("exp", "embed", "mlp"))
+        self.wi_up_edf = _param(init, rngs.params(), (e, h, f), param_dtype, ("exp", "embed", "mlp"))
+        self.wo_efd = _param(init, rngs.params(), (e, f, h), param_dtype, ("exp", "mlp", "embed"))
+
+    def __call__(self, x_btd: jax.Array, *, backend: str | None = None,
+                 mask_bt: jax.Array | None = None) -> tuple[jax.Array, MoeAux]:
+        """``mask_bt`` (optional, 1 = real token) only restricts the aux statistics, as HF does."""
+        cfg = self.cfg
+        backend = backend or cfg.backend
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+        b, t, d = x_btd.shape
+        x_td = constrain(x_btd.reshape(b * t, d), ("tokens", "act_embed"))
+        logits_te, probs_te, weights_tk, experts_tk = route(
+            x_td, self.router_de[...], cfg.top_k, cfg.norm_topk_prob)
+        aux = aux_stats(logits_te, probs_te, experts_tk, None if mask_bt is None else mask_bt.reshape(-1))
+
+        x_td = x_td.astype(self.dtype)
+        # HF casts the renormalized routing weights to the activation dtype before weighting.
+        weights_tk = weights_tk.astype(self.dtype)
+        experts = tuple(w[...].astype(self.dtype) for w in (self.wi_gate_edf, self.wi_up_edf, self.wo_efd))
+        mesh = _mesh_or_none()
+        if backend == "dense":
+            y_td = dense_experts(x_td, weights_tk, experts_tk, *experts)
+        elif mesh is None:
+            y_td = sorted_experts(x_td, weights_tk, experts_tk, *experts, impl=cfg.ragged_dot)
+        else:
+            expert_parallel = backend == "ep_ring" and mesh.shape["expert"] > 1
+            y_td = sharded_experts(x_td, weights_tk, experts_tk, *experts, mesh=mesh,
+                                   expert_parallel=expert_parallel, impl=cfg.ragged_dot)
+        y_btd = constrain(y_td.reshape(b, t, d), ("batch", "length", "act_embed"))
+        return y_btd, aux
