@@ -1,0 +1,111 @@
+"""Convert between a transformers Qwen3-VL-MoE checkpoint and an rm_jax Orbax checkpoint.
+
+    python -m launch.convert --hf_dir=D --out=C                 # HF safetensors -> Orbax (C)
+    python -m launch.convert --to_hf --ckpt=C --out=D           # Orbax (C) -> HF safetensors (D)
+    python -m launch.convert --to_hf --hf_dir=D --out=C         # same, flags read symmetrically
+
+An Orbax checkpoint dir holds ``state/`` (the NNX param tree, saved with Orbax's
+StandardCheckpointer) and ``config.json`` (the HF config, so the model can be rebuilt without the
+source dir) plus ``rm_jax.json`` (the on-disk expert layout and dtype of the source, so export
+reproduces the source bit for bit). The mesh flags shard the load (one safetensors file at a time
+into sharded arrays); with none, everything lives on the default device.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from absl import app, flags, logging
+
+flags.DEFINE_string("hf_dir", None, "transformers checkpoint dir (input, or output with --to_hf and no --ckpt)")
+flags.DEFINE_string("out", None, "output dir (Orbax checkpoint; HF dir with --to_hf --ckpt)")
+flags.DEFINE_string("ckpt", None, "Orbax checkpoint dir to read with --to_hf")
+flags.DEFINE_bool("to_hf", False, "convert an Orbax checkpoint back to HF safetensors")
+flags.DEFINE_string("dtype", "float32", "param dtype to load/export (float32 | bfloat16)")
+flags.DEFINE_enum("expert_layout", None, ["published", "transformers", "in_out", "out_in"],
+                  "fused-expert on-disk layout; required only when hidden_size == 2*moe_intermediate_size")
+flags.DEFINE_integer("mesh_data", 1, "mesh data axis")
+flags.DEFINE_integer("mesh_fsdp", 1, "mesh fsdp axis")
+flags.DEFINE_integer("mesh_expert", 1, "mesh expert axis")
+flags.DEFINE_integer("mesh_tensor", 1, "mesh tensor axis")
+
+
+def _mesh():
+    import jax
+    from rm_jax.sharding import MeshShape, make_mesh
+    shape = MeshShape(flags.FLAGS.mesh_data, flags.FLAGS.mesh_fsdp, flags.FLAGS.mesh_expert, flags.FLAGS.mesh_tensor)
+    # A mesh smaller than the host uses its first devices; size 1 means no mesh at all.
+    return make_mesh(shape, devices=jax.devices()[:shape.size]) if shape.size > 1 else None
+
+
+def hf_to_orbax(hf_dir, out, *, dtype="float32", expert_layout=None, mesh=None) -> Path:
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from rm_jax.model.hf import load_hf
+    model, cfg = load_hf(hf_dir, dtype=dtype, mesh=mesh, expert_layout=expert_layout)
+    out = Path(out).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(out / "state", nnx.to_pure_dict(nnx.state(model, nnx.Param)), force=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    (out / "rm_jax.json").write_text(json.dumps({"expert_layout": cfg.hf_expert_layout, "dtype": dtype,
+                                                 "source": str(hf_dir)}, indent=2))
+    return out
+
+
+def orbax_to_model(ckpt, *, mesh=None):
+    """Rebuild the NNX model from an Orbax checkpoint written by ``hf_to_orbax``."""
+    import dataclasses
+    import jax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from rm_jax.model.config import ModelConfig, RuntimeOptions
+    from rm_jax.model.hf import param_shardings
+    from rm_jax.model.judge import abstract_model
+    ckpt = Path(ckpt).absolute()
+    meta = json.loads((ckpt / "rm_jax.json").read_text())
+    runtime = RuntimeOptions(dtype=meta["dtype"], param_dtype=meta["dtype"])
+    cfg = ModelConfig.from_hf_dict(json.loads((ckpt / "config.json").read_text()), runtime)
+    cfg = dataclasses.replace(cfg, hf_expert_layout=meta.get("expert_layout"))
+    model = abstract_model(cfg)
+    graphdef, params = nnx.split(model, nnx.Param)
+    if mesh is not None:
+        shardings = param_shardings(params, mesh)
+        target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                              nnx.to_pure_dict(params), nnx.to_pure_dict(shardings))
+    else:
+        target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(params))
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(ckpt / "state", target)
+    nnx.replace_by_pure_dict(params, restored)
+    model = nnx.merge(graphdef, params)
+    model.cfg, model.mesh = cfg, mesh
+    return model, cfg
+
+
+def orbax_to_hf(ckpt, out, *, dtype=None, expert_layout=None) -> Path:
+    from rm_jax.model.hf import save_hf
+    model, _ = orbax_to_model(ckpt)
+    return save_hf(model, out, dtype=dtype, expert_layout=expert_layout)
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    if f.to_hf:
+        src, dst = (f.ckpt, f.out) if f.ckpt else (f.out, f.hf_dir)
+        if not src or not dst:
+            raise app.UsageError("--to_hf needs --ckpt=C --out=D (or --out=C --hf_dir=D)")
+        path = orbax_to_hf(src, dst, dtype=None, expert_layout=f.expert_layout)
+        logging.info("single process; wrote HF checkpoint %s from %s", path, src)
+    else:
+        if not f.hf_dir or not f.out:
+            raise app.UsageError("--hf_dir=D --out=C are required")
+        path = hf_to_orbax(f.hf_dir, f.out, dtype=f.dtype, expert_layout=f.expert_layout, mesh=_mesh())
+        logging.info("single process; wrote Orbax checkpoint %s from %s", path, f.hf_dir)
+    print(path)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,102 @@
+"""Checkpoint conversion: both fused-expert layouts, the ambiguous-shape guard, pickle refusal,
+bit-exact HF -> rm_jax -> HF (directly and through Orbax), and transformers loading our export."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from rm_jax.model import load_hf, save_hf
+from rm_jax.model.hf import CheckpointError, read_safetensors, write_safetensors
+from test_model_parity import build_hf, hf_forward, multimodal_batch, parity_hf_config, rel_err
+
+EXPERT_KEYS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def to_published_layout(src, dst):
+    """Rewrite a transformers-saved checkpoint with experts as [E, H, 2I] / [E, I, H]."""
+    shutil.copytree(src, dst)
+    tensors = read_safetensors(dst / "model.safetensors")
+    for k in tensors:
+        if k.endswith(EXPERT_KEYS):
+            tensors[k] = np.ascontiguousarray(np.swapaxes(tensors[k], 1, 2))
+    write_safetensors(dst / "model.safetensors", tensors)
+
+
+def assert_same_tensors(a_path, b_path):
+    a, b = read_safetensors(a_path), read_safetensors(b_path)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)), f"{k} differs"
+
+
+@pytest.fixture(scope="module")
+def hf_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_src")
+    hf = build_hf(parity_hf_config(), path)
+    ids, mask, pixels, grids = multimodal_batch(t=160)
+    ref = hf_forward(hf, ids, mask, pixels, grids)[0]
+    return path, (ids, mask, pixels, grids), ref
+
+
+def test_both_expert_layouts_load(hf_ckpt, tmp_path):
+    path, batch, ref = hf_ckpt
+    model, cfg = load_hf(path)
+    assert cfg.hf_expert_layout == "out_in"
+    to_published_layout(path, tmp_path / "published")
+    model_pub, cfg_pub = load_hf(tmp_path / "published")
+    assert cfg_pub.hf_expert_layout == "in_out"
+    a, b = np.asarray(model(*batch)), np.asarray(model_pub(*batch))
+    assert np.array_equal(a, b)
+    assert rel_err(a, ref) < 2e-4
+    # Export keeps each source's layout, so both round trips are exact.
+    save_hf(model_pub, tmp_path / "pub_rt")
+    assert_same_tensors(tmp_path / "published" / "model.safetensors", tmp_path / "pub_rt" / "model.safetensors")
+
+
+def test_ambiguous_layout_needs_flag(tmp_path):
+    # hidden_size == 2 * moe_intermediate_size: gate_up_proj is [E, 48, 48] either way.
+    d = parity_hf_config(moe_intermediate_size=24, num_hidden_layers=2, mlp_only_layers=[])
+    hf = build_hf(d, tmp_path)
+    with pytest.raises(CheckpointError, match="ambiguous.*expert_layout"):
+        load_hf(tmp_path)
+    model, _ = load_hf(tmp_path, expert_layout="transformers")
+    ids = np.random.default_rng(0).integers(10, 512, (1, 64))
+    ref = hf_forward(hf, ids, np.ones_like(ids))[0]
+    assert rel_err(model(ids), ref) < 2e-4
+    # A flag that contradicts an unambiguous tensor (down_proj [E, H, I]) is an error, not a guess.
+    with pytest.raises(CheckpointError, match="was given"):
+        load_hf(tmp_path, expert_layout="published")
+
+
+def test_pickle_checkpoint_refused(hf_ckpt, tmp_path):
+    path, _, _ = hf_ckpt
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    torch.save({"x": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="pytorch_model.bin"):
+        load_hf(tmp_path)
+
+
+def test_roundtrip_bit_exact_and_transformers_loads_export(hf_ckpt, tmp_path):
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    path, batch, ref = hf_ckpt
+    model, _ = load_hf(path)
+    save_hf(model, tmp_path / "export")
+    assert_same_tensors(path / "model.safetensors", tmp_path / "export" / "model.safetensors")
+    reloaded = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    logits = hf_forward(reloaded, *batch)[0]
+    assert np.array_equal(logits, ref)
+
+
+def test_convert_cli_roundtrip_through_orbax(hf_ckpt, tmp_path):
+    from launch.convert import hf_to_orbax, orbax_to_hf, orbax_to_model
+    path, batch, ref = hf_ckpt
+    ckpt = hf_to_orbax(path, tmp_path / "orbax")
+    model, _ = orbax_to_model(ckpt)
+    assert rel_err(model(*batch), ref) < 2e-4
+    orbax_to_hf(ckpt, tmp_path / "back")
+    assert_same_tensors(path / "model.safetensors", tmp_path / "back" / "model.safetensors")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["text_config"]["num_experts"] == 7

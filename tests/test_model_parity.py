@@ -1,0 +1,147 @@
+"""rm_jax Qwen3-VL-MoE == transformers' Qwen3VLMoeForConditionalGeneration, fp32, random weights.
+
+The config is deliberately lopsided so layout bugs cannot cancel out: H != 2I, one KV head
+(GQA 4:1), 7 experts with top-3, a dense layer among sparse ones, two deepstack levels, two
+non-square images of different sizes in different batch rows, right padding, and >= 600 tokens
+(short prompts hide RoPE bugs).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from rm_jax.model import load_hf
+
+IMAGE, VSTART, VEND = 5, 3, 4
+
+
+def parity_hf_config(**text_overrides):
+    text = dict(vocab_size=512, hidden_size=48, intermediate_size=80, moe_intermediate_size=20,
+                num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                num_experts=7, num_experts_per_tok=3, decoder_sparse_step=1, mlp_only_layers=[2],
+                rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2],
+                                     mrope_interleaved=True))
+    text.update(text_overrides)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=48,
+                  num_position_embeddings=36, deepstack_visual_indexes=[0, 2])
+    return dict(model_type="qwen3_vl_moe", image_token_id=IMAGE, video_token_id=6,
+                vision_start_token_id=VSTART, vision_end_token_id=VEND,
+                tie_word_embeddings=text["tie_word_embeddings"], text_config=text, vision_config=vision)
+
+
+def build_hf(cfg_dict, path, seed=0):
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    torch.manual_seed(seed)
+    model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**cfg_dict)).eval().float()
+    # HF initializes norms to 1 and biases to 0; randomize them so their mapping is tested too.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "norm1" in name or "norm2" in name or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def multimodal_batch(seed=0, t=640):
+    """Two rows; row 0 holds a 12x8-patch image, row 1 a 10x16-patch image and right padding."""
+    rng = np.random.default_rng(seed)
+    grids = np.array([[1, 12, 8], [1, 10, 16]])
+    ids = rng.integers(10, 512, (2, t))
+    starts = (t // 6, t // 2)
+    for row, ((_, h, w), s) in enumerate(zip(grids, starts)):
+        n = h * w // 4
+        ids[row, s - 1], ids[row, s:s + n], ids[row, s + n] = VSTART, IMAGE, VEND
+    mask = np.ones_like(ids)
+    mask[1, t - 37:] = 0
+    n_patches = int(np.prod(grids, -1).sum())
+    pixels = rng.standard_normal((n_patches, 3 * 2 * 4 * 4)).astype(np.float32)
+    return ids, mask, pixels, grids
+
+
+def hf_forward(model, ids, mask, pixels=None, grids=None):
+    """Logits, each decoder layer's output (forward hooks), and the vision features."""
+    layer_out = []
+    hooks = [layer.register_forward_hook(lambda mod, args, out: layer_out.append(out.detach().numpy()))
+             for layer in model.model.language_model.layers]
+    kw = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    if pixels is not None:
+        kw.update(pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grids),
+                  mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64)))
+    try:
+        with torch.no_grad():
+            logits = model(**kw).logits.numpy()
+            vis = None
+            if pixels is not None:
+                v = model.model.get_image_features(torch.tensor(pixels), torch.tensor(grids))
+                vis = (torch.cat(v.pooler_output).numpy(),
+                       [torch.cat(f).numpy() for f in v.deepstack_features])
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, np.stack(layer_out), vis
+
+
+def rel_err(ours, ref):
+    return float(np.max(np.abs(np.asarray(ours) - ref)) / max(1.0, float(np.max(np.abs(ref)))))
+
+
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_parity")
+    hf = build_hf(parity_hf_config(), path)
+    batch = multimodal_batch()
+    ref = hf_forward(hf, *batch)
+    model, cfg = load_hf(path)
+    return model, cfg, batch, ref
+
+
+def test_config_structure(multimodal):
+    model, cfg, _, _ = multimodal
+    assert [cfg.text.is_sparse(i) for i in range(5)] == [True, True, False, True, True]
+    # layers 0 and 1 receive deepstack features -> alone; layer 2 dense; 3-4 one scanned run.
+    assert list(model.segments) == [(0, 1, True), (1, 2, True), (2, 3, False), (3, 5, True)]
+
+
+def test_multimodal_logits_hidden_and_vision(multimodal):
+    model, cfg, (ids, mask, pixels, grids), (ref_logits, ref_hidden, (ref_img, ref_ds)) = multimodal
+    out = model.forward(ids, mask, pixels, grids, return_hidden=True)
+    errs = {
+        "image_embeds": rel_err(out.image_embeds_nd, ref_img),
+        **{f"deepstack{k}": rel_err(a, b) for k, (a, b) in enumerate(zip(out.deepstack_embeds, ref_ds))},
+        **{f"layer{k}": rel_err(out.layer_hidden_lbtd[k], ref_hidden[k]) for k in range(len(ref_hidden))},
+        "logits": rel_err(out.logits_btv, ref_logits),
+    }
+    print("parity errors (max abs / max(1, max|ref|)):", errs)
+    assert len(out.deepstack_embeds) == 2
+    assert all(e < 2e-4 for e in errs.values()), errs
+    # __call__ returns logits only, and accepts jax arrays as well as numpy.
+    import jax.numpy as jnp
+    logits = model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(pixels), jnp.asarray(grids))
+    assert rel_err(logits, ref_logits) < 2e-4
+    assert out.moe_aux.expert_counts.shape == (4, 7)
+
+
+def test_text_only_tied_sparse_step(tmp_path):
+    """Tied embeddings, decoder_sparse_step=2 (dense layers 0, 2), no images, left padding
+    (the explicit-mask attention path), loop vs scan."""
+    d = parity_hf_config(tie_word_embeddings=True, decoder_sparse_step=2, mlp_only_layers=[],
+                         num_hidden_layers=4)
+    hf = build_hf(d, tmp_path, seed=1)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(10, 512, (2, 96))
+    mask = np.ones_like(ids)
+    mask[0, 80:] = 0
+    mask[1, :9] = 0
+    valid = mask.astype(bool)   # fully masked query rows are undefined in both implementations
+    ref_logits, ref_hidden, _ = hf_forward(hf, ids, mask)
+    model, cfg = load_hf(tmp_path)
+    assert cfg.tie_word_embeddings and model.lm_head_dv is None
+    out = model.forward(ids, mask, return_hidden=True)
+    assert rel_err(np.asarray(out.logits_btv)[valid], ref_logits[valid]) < 2e-4
+    assert max(rel_err(np.asarray(out.layer_hidden_lbtd[k])[valid], ref_hidden[k][valid]) for k in range(4)) < 2e-4
+    from rm_jax.model import RuntimeOptions
+    looped, _ = load_hf(tmp_path, runtime=RuntimeOptions(scan_layers=False, remat="full"))
+    np.testing.assert_allclose(np.asarray(looped(ids, mask))[valid], np.asarray(out.logits_btv)[valid],
+                               rtol=0, atol=1e-5)
