@@ -23,3 +23,25 @@ def load_config(path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
+
+
+class _DropLibraryInfo:
+    """Keeps INFO chatter of named libraries out of the log; their warnings and errors (with
+    tracebacks) still come through: a failing background writer must never be hidden."""
+
+    def __init__(self, fragments: tuple[str, ...]):
+        self.fragments = fragments
+
+    def filter(self, record) -> bool:
+        import logging as py_logging
+        return record.levelno >= py_logging.WARNING or not any(f in record.pathname for f in self.fragments)
+
+
+def quiet_library_info(fragments: tuple[str, ...] = ("/orbax/",)) -> None:
+    import logging as py_logging
+
+    from absl import logging
+    handler = logging.get_absl_handler()
+    handler.addFilter(_DropLibraryInfo(fragments))
+    py_logging.getLogger().setLevel(py_logging.INFO)
+    logging.set_verbosity(logging.INFO)

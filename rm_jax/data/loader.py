@@ -38,6 +38,8 @@ class LoaderConfig:
     process_count: int = 1
     drop_remainder: bool = True
     min_patch_bucket: int = 64
+    fixed_patches: int | None = None      # pad patches/images to exactly this (one shape per run)
+    fixed_images: int | None = None
 
 
 def _next_pow2(n: int, floor: int) -> int:
@@ -52,12 +54,24 @@ def pick_bucket(length: int, buckets: Sequence[int]) -> int:
 
 
 class Collate:
-    """Pads a list of decoded records into one static-shape batch dict."""
+    """Pads a list of decoded records into one static-shape batch dict.
 
-    def __init__(self, batch_size: int, buckets: Sequence[int], pad_id: int, patch_dim: int | None,
-                 min_patch_bucket: int = 64):
+    Patches and image rows are padded to powers of two, or to exactly `fixed_patches` /
+    `fixed_images` when given (training: one shape for the whole run); a batch that exceeds a
+    fixed budget raises rather than dropping images."""
+
+    def __init__(self, batch_size: int, buckets: Sequence[int], pad_id: int, patch_dim: int,
+                 min_patch_bucket: int = 64, fixed_patches: int | None = None, fixed_images: int | None = None):
         self.batch_size, self.buckets, self.pad_id = batch_size, tuple(sorted(buckets)), pad_id
         self.patch_dim, self.min_patch_bucket = patch_dim, min_patch_bucket
+        self.fixed_patches, self.fixed_images = fixed_patches, fixed_images
+
+    def _pad_size(self, n: int, fixed: int | None, floor: int, what: str) -> int:
+        if fixed is None:
+            return _next_pow2(n, floor)
+        if n > fixed:
+            raise ValueError(f"a batch holds {n} {what} > the fixed budget {fixed}; raise train.max_{what}")
+        return fixed
 
     def __call__(self, items: Sequence[dict]) -> dict[str, np.ndarray]:
         n, B = len(items), self.batch_size
@@ -80,13 +94,12 @@ class Collate:
                 pixels.append(it["pixel_values"])
                 grids.append(it["image_grid_thw"])
         P = sum(p.shape[0] for p in pixels)
-        D = pixels[0].shape[1] if pixels else (self.patch_dim or 0)
-        P_pad = _next_pow2(P, self.min_patch_bucket)
-        pixel_values = np.zeros((P_pad, D), pixels[0].dtype if pixels else np.float16)
+        P_pad = self._pad_size(P, self.fixed_patches, self.min_patch_bucket, "patches")
+        pixel_values = np.zeros((P_pad, self.patch_dim), pixels[0].dtype if pixels else np.float16)
         if pixels:
             pixel_values[:P] = np.concatenate(pixels)
         G = sum(g.shape[0] for g in grids)
-        grid = np.zeros((_next_pow2(G, 1), 3), np.int32)   # zero rows: padding images of 0 patches
+        grid = np.zeros((self._pad_size(G, self.fixed_images, 1, "images"), 3), np.int32)  # zero rows: 0 patches
         if grids:
             grid[:G] = np.concatenate(grids)
         image_valid = (grid.prod(-1) > 0).astype(np.int32)
@@ -130,8 +143,8 @@ def make_dataset(data_dir: str, split: str, cfg: LoaderConfig) -> grain.MapDatas
         ds = ds[cfg.process_index::cfg.process_count]
     ds = ds.map(lambda i: source[int(i)]).map(_Decode())
     local_batch = cfg.batch_size // cfg.process_count
-    patch_dim = None
-    collate = Collate(local_batch, cfg.buckets, manifest["pad_id"], patch_dim, cfg.min_patch_bucket)
+    collate = Collate(local_batch, cfg.buckets, manifest["pad_id"], int(manifest["patch_dim"]), cfg.min_patch_bucket,
+                      cfg.fixed_patches, cfg.fixed_images)
     return ds.batch(local_batch, drop_remainder=cfg.drop_remainder, batch_fn=collate)
 
 

@@ -71,17 +71,25 @@ def _bilinear_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray,
 
 
 def vision_inputs(cfg: VisionConfig, pixel_values, grid_thw) -> VisionInputs:
+    """Index arrays for the tower. Rows of `pixel_values` beyond sum(t*h*w) are padding (static
+    batch shapes in training): they get segment -1, so they attend only to each other, and
+    their features are never gathered. Zero rows of `grid_thw` are padding images."""
     grid_thw = np.asarray(grid_thw, np.int64).reshape(-1, 3)
     pixel_values = np.asarray(pixel_values) if not isinstance(pixel_values, jax.Array) else pixel_values
     m, side = cfg.spatial_merge_size, int(cfg.num_position_embeddings ** 0.5)
     n_expected = int(np.sum(np.prod(grid_thw, axis=-1)))
-    if pixel_values.shape != (n_expected, cfg.patch_dim):
+    n_rows = int(pixel_values.shape[0])
+    if pixel_values.ndim != 2 or pixel_values.shape[1] != cfg.patch_dim or n_rows < n_expected \
+            or (n_rows - n_expected) % (m * m):
         raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)} but image_grid_thw "
                          f"{grid_thw.tolist()} needs ({n_expected}, {cfg.patch_dim}) "
-                         "(= sum(t*h*w), in_channels*temporal_patch_size*patch_size**2)")
+                         "(= sum(t*h*w), in_channels*temporal_patch_size*patch_size**2), optionally "
+                         f"followed by padding rows in multiples of spatial_merge_size**2={m * m}")
     idx, wts, pos, seg = [], [], [], []
     frame = 0
     for t, h, w in grid_thw.tolist():
+        if t * h * w == 0:
+            continue
         if h % m or w % m:
             raise ValueError(f"image grid {(t, h, w)} is not divisible by spatial_merge_size={m}")
         rows, cols = _block_order_rows_cols(h, w, m)
@@ -95,6 +103,11 @@ def vision_inputs(cfg: VisionConfig, pixel_values, grid_thw) -> VisionInputs:
             pos.append(np.stack([rows, cols], -1))
             seg.append(np.full(h * w, frame))
             frame += 1
+    pad = n_rows - n_expected
+    idx.append(np.zeros((pad, 4), np.int64))
+    wts.append(np.zeros((pad, 4), np.float32))
+    pos.append(np.zeros((pad, 2), np.int64))
+    seg.append(np.full(pad, -1))
     return VisionInputs(pixel_values_nf=pixel_values,
                         interp_idx_n4=np.concatenate(idx).astype(np.int32),
                         interp_w_n4=np.concatenate(wts).astype(np.float32),

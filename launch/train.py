@@ -1,0 +1,40 @@
+"""Train the judge: verdict-first SFT on built shards.
+
+  python -m launch.train --config=configs/tiny.py --workdir=W \\
+      [--config.data.dir=DIR --config.train.steps=N --config.train.checkpoint_every=K]
+
+Writes W/checkpoints/, W/metrics.jsonl, W/tensorboard/, W/manifest.json. Starting again in the
+same workdir resumes from the newest intact checkpoint. Multi-host runs need all three cluster
+flags; nothing is inferred from the environment.
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+
+from launch.common import define_config_flag, quiet_library_info
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "run directory", required=True)
+_COORD = flags.DEFINE_string("coordinator_address", "", "multi-host: coordinator host:port")
+_NPROC = flags.DEFINE_integer("num_processes", 1, "multi-host: number of processes")
+_PID = flags.DEFINE_integer("process_id", 0, "multi-host: this process's id")
+_CONFIG = define_config_flag()
+
+
+def main(argv):
+    del argv
+    # Background failures (async checkpoint writer, data workers) must surface with their real
+    # traceback: our handler stays at INFO whatever a library set; only Orbax's INFO chatter goes.
+    quiet_library_info()
+    from rm_jax.train import distributed, loop
+
+    line = distributed.initialize(distributed.ClusterFlags(_COORD.value, _NPROC.value, _PID.value))
+    result = loop.run(_CONFIG.value, _WORKDIR.value, cluster_line=line)
+    print(json.dumps({k: v for k, v in result.items() if k != "last_metrics"} | {"last": result["last_metrics"]},
+                     default=str))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,257 @@
+"""The training run: model + data + step + checkpoints + logs, resumable from the workdir.
+
+Run shape (the report's v3 recipe by default: lr 5e-6, global batch 32, max length 8192,
+2 epochs, failures x3 in train only, checkpoints every K steps, all kept for the sweep):
+
+1. Mesh from the config (fails early on numbers that disagree), model initialized from an HF
+   checkpoint (`train.init_from`) or randomly (the embedded default), placed by logical names.
+2. Resume: the newest restorable checkpoint in `W/checkpoints` (damaged ones are skipped with a
+   warning) restores the train state *and* the data iterator; metrics.jsonl is cut back to that
+   step, so a run killed with SIGKILL and restarted writes exactly the uninterrupted file.
+3. The step is lowered and compiled ahead of time; `memory_analysis()` is logged before step 1.
+   Batches have one static shape for the whole run (max length, fixed patch/image budget), so
+   the step compiles exactly once.
+4. Every K steps an async checkpoint; every M steps the held-out loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from rm_jax.data import loader as loader_lib
+from rm_jax.model import judge as judge_lib
+from rm_jax.model.config import ModelConfig, RuntimeOptions
+from rm_jax.sharding import describe_devices, make_mesh
+from rm_jax.train import optim
+from rm_jax.train.checkpoint import CheckpointOptions, Checkpointer, abstract_like
+from rm_jax.train.loss import LossConfig, check_target_budget
+from rm_jax.train.metrics_log import MetricsWriter
+from rm_jax.train.step import StepBatch, StepBuilder, StepConfig, host_batch_to_device
+from rm_jax.utils import file_sha256, package_versions
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    total_steps: int
+    micro_batch: int          # global examples per microbatch
+    accumulation: int
+    steps_per_epoch: float
+
+
+def plan_run(train_cfg, stream_len: int) -> RunPlan:
+    gb, acc = int(train_cfg.global_batch), int(train_cfg.grad_accum)
+    if gb % acc:
+        raise ValueError(f"train.global_batch={gb} is not divisible by train.grad_accum={acc}")
+    per_epoch = stream_len / gb
+    steps = int(train_cfg.steps) if int(train_cfg.steps) > 0 else max(1, int(round(per_epoch * float(train_cfg.epochs))))
+    return RunPlan(total_steps=steps, micro_batch=gb // acc, accumulation=acc, steps_per_epoch=per_epoch)
+
+
+def model_config(cfg) -> ModelConfig:
+    t = cfg.train
+    runtime = RuntimeOptions(dtype=t.dtype, param_dtype=t.param_dtype, remat=t.remat,
+                             scan_layers=bool(t.scan_layers), moe_backend=cfg.moe.backend)
+    return ModelConfig.from_hf_dict(cfg.model.to_dict(), runtime)
+
+
+def build_model(cfg, mesh):
+    """Random init (embedded default) or an HF checkpoint, placed on the mesh."""
+    from rm_jax.model import hf
+    mcfg = model_config(cfg)
+    if cfg.train.init_from:
+        model, mcfg = hf.load_hf(cfg.train.init_from, dtype=cfg.train.param_dtype, mesh=mesh,
+                                 runtime=mcfg.runtime)
+        return model, mcfg
+    model = judge_lib.init_model(mcfg, seed=int(cfg.seed))
+    from flax import nnx
+    state = nnx.state(model)
+    shardings = hf.param_shardings(state, mesh)
+    nnx.update(model, jax.tree.map(lambda v, s: jax.device_put(v, s.get_value() if hasattr(s, "get_value") else s),
+                                   state, shardings))
+    model.mesh = mesh
+    return model, mcfg
+
+
+@dataclasses.dataclass(frozen=True)
+class HostBatch:
+    batch: StepBatch
+    n_examples: int
+    n_fail: int           # the oversampling ratio, visible in the stream itself
+
+
+def assemble(mcfg: ModelConfig, micro: list[dict]) -> HostBatch:
+    """Loader batches (numpy) -> one StepBatch with a leading accumulation axis."""
+    prepared = [judge_lib.prepare_inputs(mcfg, b["input_ids"], b["attention_mask"], b["pixel_values"],
+                                         b["image_grid_thw"]) for b in micro]
+    inputs = jax.tree.map(lambda *xs: np.stack(xs), *prepared)
+    valid = [b["example_valid"].astype(bool) for b in micro]
+    return HostBatch(StepBatch(inputs=inputs, target_mask=np.stack([b["target_mask"] for b in micro])),
+                     n_examples=int(sum(v.sum() for v in valid)),
+                     n_fail=int(sum((b["label"][v] == 1).sum() for b, v in zip(micro, valid))))
+
+
+class BatchStream:
+    """`accumulation` loader batches per step, with the Grain state to checkpoint."""
+
+    def __init__(self, data_dir: str, split: str, cfg: loader_lib.LoaderConfig, accumulation: int,
+                 state: dict | None = None):
+        self.ds = loader_lib.make_dataset(data_dir, split, cfg)
+        self.it = loader_lib.make_iterator(self.ds, state)
+        self.accumulation = accumulation
+
+    def next(self) -> list[dict]:
+        return [next(self.it) for _ in range(self.accumulation)]
+
+    def state(self) -> dict:
+        return self.it.get_state()
+
+
+def run_length(cfg) -> int:
+    """The one sequence length of the run: the smallest bucket that holds every built example
+    (both splits), so the step compiles once without padding everything to max_len."""
+    longest = max(int(loader_lib.records.load_index(cfg.data.dir, s)["length"].max(initial=0))
+                  for s in loader_lib.records.SPLITS)
+    return loader_lib.pick_bucket(longest, sorted(int(b) for b in cfg.data.buckets))
+
+
+def loader_config(cfg, plan: RunPlan, *, split: str) -> loader_lib.LoaderConfig:
+    t = cfg.train
+    return loader_lib.LoaderConfig(
+        batch_size=plan.micro_batch, buckets=(run_length(cfg),), seed=int(cfg.seed), shuffle=split == "train",
+        num_epochs=None if split == "train" else 1, drop_remainder=split == "train",
+        process_index=jax.process_index(), process_count=jax.process_count(),
+        fixed_patches=int(t.max_patches), fixed_images=int(t.max_images))
+
+
+def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bool | None = None) -> dict:
+    os.makedirs(workdir, exist_ok=True)
+    t, data_dir = cfg.train, cfg.data.dir
+    if not data_dir or not os.path.isdir(data_dir):
+        raise FileNotFoundError(f"data.dir={data_dir!r} is not a built shard directory (launch.build_data --out)")
+    index = loader_lib.records.load_index(data_dir, "train")
+    manifest = loader_lib.read_manifest(data_dir)
+    stream_len = len(loader_lib.stream_indices(index["label"], int(cfg.data.oversample_fail)))
+    plan = plan_run(t, stream_len)
+    mesh = make_mesh(cfg.mesh, num_experts=int(cfg.model.text_config.num_experts), global_batch=plan.micro_batch)
+    logging.info("%s; mesh %s; plan %s", cluster_line, dict(mesh.shape), plan)
+
+    with jax.set_mesh(mesh):
+        model, mcfg = build_model(cfg, mesh)
+    ocfg = dataclasses.replace(optim.OptimConfig.from_config(t), total_steps=plan.total_steps)
+    step_cfg = StepConfig(loss=LossConfig(int(t.max_target_tokens), int(t.vocab_chunk)),
+                          lb_coef=float(cfg.moe.lb_coef), z_coef=float(cfg.moe.z_coef))
+    builder = StepBuilder(model, optim.make_optimizer(ocfg, model), step_cfg, mesh, optim.schedule(ocfg))
+    state = builder.init_state()
+
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
+                        CheckpointOptions(every=int(t.checkpoint_every), max_to_keep=t.get("keep") or None,
+                                          async_save=bool(t.async_checkpoint)))
+    restored = ckpt.restore(abstract_like(state))
+    start, data_state = 0, None
+    if restored is not None:
+        state, start, data_state = restored.state, restored.step, restored.data_state
+        logging.info("resumed from %s at step %d", ckpt.directory, start)
+    stream = BatchStream(data_dir, "train", loader_config(cfg, plan, split="train"), plan.accumulation, data_state)
+    writer = MetricsWriter(workdir, resume_step=start, tensorboard=bool(t.tensorboard))
+    _write_manifest(workdir, cfg, manifest, data_dir, mesh, plan)
+
+    first = assemble(mcfg, stream.next()) if start < plan.total_steps else None
+    if first is not None:
+        shardings = builder.batch_shardings(first.batch)
+        with jax.set_mesh(mesh):
+            train = builder.jit_train(state, first.batch)
+            t0 = time.time()
+            compiled = train.lower(state, builder.rest, first.batch).compile()
+            logging.info("compiled train step in %.1fs (length %d); memory per device: %s", time.time() - t0,
+                         first.batch.target_mask.shape[-1], _memory_line(compiled.memory_analysis()))
+    pending = first
+
+    from tqdm import tqdm
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = tqdm(total=plan.total_steps, initial=start, desc="train", unit="step", disable=not show)
+    last_metrics: dict = {}
+    step = start
+    t_log, tokens_since, samples_since, fails_since = time.time(), 0, 0, 0
+    try:
+        while step < plan.total_steps:
+            host = pending if pending is not None else assemble(mcfg, stream.next())
+            pending = None
+            check_target_budget(host.batch.target_mask.reshape(-1, host.batch.target_mask.shape[-1]),
+                                int(t.max_target_tokens))
+            dev_batch = host_batch_to_device(host.batch, shardings)
+            with jax.set_mesh(mesh):
+                state, metrics = compiled(state, builder.rest, dev_batch)
+            step += 1
+            tokens_since += int(host.batch.inputs.attention_mask_bt.sum())
+            samples_since += host.n_examples
+            fails_since += host.n_fail
+            if step % int(t.log_every) == 0 or step == plan.total_steps:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                dt = max(time.time() - t_log, 1e-9)
+                m.update(tokens_per_s=tokens_since / dt, samples_per_s=samples_since / dt,
+                         fail_share=fails_since / max(samples_since, 1), epoch=step / plan.steps_per_epoch)
+                if int(t.eval_every) > 0 and (step % int(t.eval_every) == 0 or step == plan.total_steps):
+                    m["val_loss"] = evaluate(builder, cfg, mcfg, state, plan, mesh)
+                writer.write(step, m)
+                bar.set_postfix(loss=f"{m['loss']:.4f}")
+                last_metrics = m
+                t_log, tokens_since, samples_since, fails_since = time.time(), 0, 0, 0
+            if step % int(t.checkpoint_every) == 0 or step == plan.total_steps:
+                ckpt.save(step, state, stream.state())
+            bar.update(1)
+        ckpt.wait()
+    finally:
+        bar.close()
+        writer.close()
+        ckpt.close()
+    return {"steps": step, "last_metrics": last_metrics, "trace_count": builder.trace_count,
+            "checkpoints": ckpt.steps(), "plan": dataclasses.asdict(plan)}
+
+
+def evaluate(builder: StepBuilder, cfg, mcfg, state, plan: RunPlan, mesh) -> float:
+    """Held-out loss: token-sum over the whole split / its target-token count."""
+    stream = BatchStream(cfg.data.dir, "heldout", loader_config(cfg, plan, split="heldout"), 1)
+    total, count = 0.0, 0.0
+    limit = int(cfg.train.eval_batches)
+    for i, micro in enumerate(stream.it):
+        if limit and i >= limit:
+            break
+        batch = assemble(mcfg, [micro]).batch
+        dev = host_batch_to_device(batch, builder.batch_shardings(batch))
+        with jax.set_mesh(mesh):
+            m = jax.device_get(builder.jit_eval(state.params, dev)(state.params, builder.rest, dev))
+        total += float(m["loss"]) * float(m["target_tokens"])
+        count += float(m["target_tokens"])
+    return total / max(count, 1.0)
+
+
+def _memory_line(mem) -> str:
+    if mem is None:
+        return "unavailable on this backend"
+    gib = 1 << 30
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
+    return ", ".join(f"{f.replace('_size_in_bytes', '')} {getattr(mem, f, 0) / gib:.3f} GiB" for f in fields)
+
+
+def _write_manifest(workdir, cfg, data_manifest, data_dir, mesh, plan) -> None:
+    import subprocess
+    try:
+        code = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        code = None
+    out = {"config": cfg.to_dict(), "data_dir": os.path.abspath(data_dir),
+           "data_manifest_sha256": file_sha256(os.path.join(data_dir, "manifest.json")),
+           "verdict_tokens": data_manifest.get("verdict_tokens"), "code_version": code,
+           "packages": package_versions(), "devices": describe_devices(), "mesh": dict(mesh.shape),
+           "plan": dataclasses.asdict(plan)}
+    with open(os.path.join(workdir, "manifest.json"), "w") as f:
+        json.dump(out, f, indent=2, default=str)
