@@ -118,7 +118,8 @@ def get_config() -> ml_collections.ConfigDict:
     cfg.name = "tiny"
     cfg.model = model_config()
     cfg.data = data_config()
-    cfg.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, tensor=1))
+    # data=-1: all devices not claimed by the other axes (1 CPU here, 8 emulated in tests).
+    cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1))
     cfg.train = train_config()
     cfg.moe = ml_collections.ConfigDict(dict(backend="ragged", lb_coef=0.01, z_coef=0.0))
     cfg.seed = 0

@@ -95,7 +95,7 @@ def validate_mesh_shape(shape: MeshShape, n_devices: int, *, num_experts: int | 
                         global_batch: int | None = None) -> None:
     """Fail early, naming the numbers that disagree."""
     for axis, size in zip(MESH_AXES, shape.sizes):
-        if size < 1:
+        if size < 1:   # (-1 wildcards are filled by make_mesh before validation)
             raise MeshConfigError(f"mesh axis '{axis}' has size {size}; every axis must be >= 1")
     if shape.size != n_devices:
         raise MeshConfigError(
@@ -114,12 +114,29 @@ def validate_mesh_shape(shape: MeshShape, n_devices: int, *, num_experts: int | 
                 f"{shape.data}*{shape.fsdp}*{shape.expert} = {batch_shards}")
 
 
+def fill_wildcard(shape: MeshShape, n_devices: int) -> MeshShape:
+    """One axis may be -1: it takes whatever the other axes leave of the device count."""
+    sizes = dict(zip(MESH_AXES, shape.sizes))
+    wild = [a for a, s in sizes.items() if s == -1]
+    if not wild:
+        return shape
+    if len(wild) > 1:
+        raise MeshConfigError(f"mesh axes {wild} are all -1; at most one axis may be -1")
+    rest = math.prod(s for a, s in sizes.items() if s != -1)
+    if n_devices % rest:
+        raise MeshConfigError(f"mesh axis '{wild[0]}'=-1 cannot fill {n_devices} devices: the other axes "
+                              f"multiply to {rest}, which does not divide {n_devices}")
+    sizes[wild[0]] = n_devices // rest
+    return MeshShape(**sizes)
+
+
 def make_mesh(cfg=None, *, devices: Sequence[jax.Device] | None = None, num_experts: int | None = None,
               global_batch: int | None = None) -> Mesh:
     """Build the (data, fsdp, expert, tensor) mesh from a config mapping or ``MeshShape``.
 
     ``cfg`` may be None (all devices on ``data``), a ``MeshShape``, or anything with
-    ``data/fsdp/expert/tensor`` keys or attributes (missing axes default to 1).
+    ``data/fsdp/expert/tensor`` keys or attributes (missing axes default to 1; one axis may be -1
+    to take the remaining devices).
     """
     devices = list(devices if devices is not None else jax.devices())
     if cfg is None:
@@ -128,6 +145,7 @@ def make_mesh(cfg=None, *, devices: Sequence[jax.Device] | None = None, num_expe
         shape = cfg
     else:
         shape = MeshShape.from_config(cfg)
+    shape = fill_wildcard(shape, len(devices))
     validate_mesh_shape(shape, len(devices), num_experts=num_experts, global_batch=global_batch)
     dev_array = np.asarray(devices).reshape(shape.sizes)
     return Mesh(dev_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -27,6 +27,14 @@ def test_mesh_errors_name_the_numbers(devices8):
         sharding.make_mesh(dict(data=8), global_batch=12)
 
 
+def test_wildcard_axis(devices8):
+    assert dict(sharding.make_mesh(dict(data=-1, expert=2)).shape)["data"] == 4
+    with pytest.raises(sharding.MeshConfigError, match="other axes multiply to 3"):
+        sharding.make_mesh(dict(data=-1, expert=3))
+    with pytest.raises(sharding.MeshConfigError, match="at most one axis may be -1"):
+        sharding.make_mesh(dict(data=-1, expert=-1))
+
+
 def test_rules_table():
     assert sharding.logical_to_spec(("exp", "embed", "mlp")) == P("expert", "fsdp", "tensor")
     assert sharding.logical_to_spec(("batch", "length", "act_embed")) == P(("data", "fsdp", "expert"), None, None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any
 
 import jax
@@ -78,9 +79,24 @@ class Checkpointer:
                 skipped.append(s)
                 continue
             if skipped:
-                logging.warning("resumed from step %d after skipping damaged checkpoints %s", s, skipped)
+                self._quarantine(skipped)
+                logging.warning("resumed from step %d after skipping damaged checkpoints %s (moved to %s)",
+                                s, skipped, self._damaged_dir)
             return Restored(step=s, state=got["state"], data_state=got["data"] or None, skipped=skipped)
         return None
+
+    @property
+    def _damaged_dir(self) -> str:
+        return self.directory + "_damaged"
+
+    def _quarantine(self, steps: list[int]) -> None:
+        """Move damaged steps aside (never delete them): the run will write those steps again."""
+        os.makedirs(self._damaged_dir, exist_ok=True)
+        for s in steps:
+            src = os.path.join(self.directory, str(s))
+            if os.path.isdir(src):
+                os.replace(src, os.path.join(self._damaged_dir, f"{s}.{int(time.time())}"))
+        self.manager.reload()
 
     def wait(self) -> None:
         """Block until async saves are on disk; re-raises a background writer's exception."""

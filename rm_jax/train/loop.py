@@ -155,8 +155,9 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
                         CheckpointOptions(every=int(t.checkpoint_every), max_to_keep=t.get("keep") or None,
                                           async_save=bool(t.async_checkpoint)))
     restored = ckpt.restore(abstract_like(state))
-    start, data_state = 0, None
+    start, data_state, skipped = 0, None, []
     if restored is not None:
+        skipped = restored.skipped
         state, start, data_state = restored.state, restored.step, restored.data_state
         logging.info("resumed from %s at step %d", ckpt.directory, start)
     stream = BatchStream(data_dir, "train", loader_config(cfg, plan, split="train"), plan.accumulation, data_state)
@@ -212,7 +213,8 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
         bar.close()
         writer.close()
         ckpt.close()
-    return {"steps": step, "last_metrics": last_metrics, "trace_count": builder.trace_count,
+    return {"steps": step, "resumed_from": start, "skipped_damaged": skipped,
+            "last_metrics": last_metrics, "trace_count": builder.trace_count,
             "checkpoints": ckpt.steps(), "plan": dataclasses.asdict(plan)}
 
 

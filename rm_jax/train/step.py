@@ -67,7 +67,13 @@ class StepBuilder:
     def init_state(self) -> TrainState:
         with jax.set_mesh(self.mesh):
             opt_state = jax.jit(self.optimizer.init)(self._params)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=self._params, opt_state=opt_state)
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=self._params, opt_state=opt_state)
+        # Scalars (step, Adam's count) must live on the mesh too, replicated, like every input of
+        # the jitted step; jnp creates them on one device.
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        mesh_devices = set(self.mesh.devices.flat)
+        return jax.tree.map(lambda x: x if set(x.sharding.device_set) == mesh_devices
+                            else jax.device_put(x, replicated), state)
 
     def state_shardings(self, state: TrainState):
         return jax.tree.map(lambda x: x.sharding, state)
@@ -128,7 +134,7 @@ class StepBuilder:
         grads, metrics = self._accumulate(state.params, rest, batch, with_grad=True)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         if self.schedule is not None:
             metrics["lr"] = self.schedule(state.step)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
