@@ -63,4 +63,14 @@ def get_config() -> ml_collections.ConfigDict:
     cfg.name = "qwen3_vl_30b_a3b"
     cfg.model = model_config()
     cfg.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=8, expert=1, tensor=1))
+    # The field report's v3 recipe: lr 5e-6, global batch 32, max length 8192, 2 epochs,
+    # failures x3 in train only; bf16 compute over fp32 master weights, full remat.
+    cfg.data.max_len = 8192
+    cfg.data.buckets = [2048, 4096, 6144, 8192]
+    cfg.data.image.max_pixels = 1024 * 32 * 32      # 1024 merged tokens per image (policy budget)
+    cfg.data.image.min_pixels = 256 * 32 * 32
+    cfg.train.update(dict(lr=5e-6, global_batch=32, grad_accum=1, epochs=2.0, warmup_steps=50,
+                          dtype="bfloat16", param_dtype="float32", remat="full", max_target_tokens=192,
+                          vocab_chunk=16384, max_patches=32 * 4096, max_images=64,
+                          checkpoint_every=100, eval_every=100))
     return cfg

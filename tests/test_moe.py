@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from rm_jax.model.moe import MoeConfig, SparseMoeBlock
+from rm_jax.model.moe import MoeConfig, SparseMoeBlock, resolve_ragged_dot
 from rm_jax.sharding import MeshShape, make_mesh
 
 # Odd expert count, H != 2I, and a batch whose token count (2 * 6 = 12) no mesh here divides.
@@ -59,9 +59,14 @@ def _reference(cfg, x_btd, router_de):
     return y, aux, grads
 
 
-@pytest.mark.parametrize("ragged_dot", ["tokamax", "lax"])
-def test_ragged_equals_dense(ragged_dot):
-    cfg = MoeConfig(d_model=H, d_ff=I, num_experts=7, top_k=3, ragged_dot=ragged_dot)
+@pytest.mark.parametrize("ragged_dot,tile_rows", [
+    ("tokamax", 0), ("lax", 0),
+    # Tiled: the automatic tile (8 rows: every expert in one tile), one row per tile (no padding),
+    # and 2 or 4 rows (groups spanning several tiles, padded tails).
+    ("tiled", 0), ("tiled", 1), ("tiled", 2), ("tiled", 4),
+], ids=lambda v: str(v))
+def test_ragged_equals_dense(ragged_dot, tile_rows):
+    cfg = MoeConfig(d_model=H, d_ff=I, num_experts=7, top_k=3, ragged_dot=ragged_dot, tile_rows=tile_rows)
     x_btd, router_de = _routed_inputs(cfg.num_experts)
     y_ref, aux_ref, grads_ref = _reference(cfg, x_btd, router_de)
 
@@ -85,8 +90,10 @@ def test_ragged_equals_dense(ragged_dot):
     MeshShape(data=2, expert=2, tensor=2),
     MeshShape(data=2, fsdp=4),              # FSDP-only experts: ep_ring falls back to ragged
 ], ids=str)
-def test_sharded_equals_unsharded(devices8, shape):
-    cfg = MoeConfig(d_model=H, d_ff=I, num_experts=8, top_k=3, backend="ep_ring")
+@pytest.mark.parametrize("ragged_dot", ["tiled", "tokamax"])
+def test_sharded_equals_unsharded(devices8, shape, ragged_dot):
+    cfg = MoeConfig(d_model=H, d_ff=I, num_experts=8, top_k=3, backend="ep_ring", ragged_dot=ragged_dot,
+                    tile_rows=2 if ragged_dot == "tiled" else 0)
     x_btd, router_de = _routed_inputs(cfg.num_experts, seed=2)
     y_ref, aux_ref, grads_ref = _reference(cfg, x_btd, router_de)
     assert np.asarray(aux_ref.expert_counts)[-1] == 0
@@ -208,8 +215,39 @@ def test_cross_layer_lb_loss_from_aux():
     np.testing.assert_allclose(cfg.num_experts * jnp.sum(frac_e * prob_e), lb_hf.item(), rtol=1e-5)
 
 
+def test_tiled_is_the_cpu_default_and_exact_at_scale():
+    """On CPU "auto" is the tiled grouped matmul (no XLA ragged_dot, which would do E times the
+    work); on a larger, skewed routing with multi-tile groups and empty experts it equals the
+    dense oracle, outputs and gradients."""
+    assert MoeConfig(d_model=H, d_ff=I, num_experts=7, top_k=3).ragged_dot == "auto"
+    assert resolve_ragged_dot("auto") == ("tiled" if jax.default_backend() == "cpu" else "tokamax")
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU default is checked on CPU")
+    cfg = MoeConfig(d_model=32, d_ff=16, num_experts=16, top_k=4)
+    kx, kr = jax.random.split(jax.random.key(9))
+    x_btd = jax.random.normal(kx, (2, 64, 32)).at[..., 0].set(2.0)
+    # Expert e gets bias -e/2 on the constant feature: loads fall off steeply; 12..15 get none.
+    router_de = 0.3 * jax.random.normal(kr, (32, 16))
+    router_de = router_de.at[0].set(-0.5 * jnp.arange(16.0)).at[0, 12:].set(-30.0)
+    graphdef, state = nnx.split(_block(cfg, router_de))
+    (_, (y_ref, aux_ref)), grads_ref = _loss_fn(graphdef, "dense")(state, x_btd)
+    counts = np.asarray(aux_ref.expert_counts)
+    assert np.all(counts[12:] == 0) and counts.max() > 4 * counts[counts > 0].min(), counts
+    step = _loss_fn(graphdef, "ragged")
+    assert "ragged" not in step.lower(state, x_btd).as_text()
+    (_, (y, aux)), grads = step(state, x_btd)
+    np.testing.assert_allclose(y, y_ref, **TOL)
+    _assert_trees_close(aux, aux_ref)
+    _assert_trees_close(grads, grads_ref)
+    assert not np.any(grads[0]["wi_up_edf"][...][12:])
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="backend"):
         MoeConfig(d_model=H, d_ff=I, num_experts=7, top_k=3, backend="capacity")
     with pytest.raises(ValueError, match="top_k"):
         dataclasses.replace(MoeConfig(d_model=H, d_ff=I, num_experts=7, top_k=3), top_k=8)
+    with pytest.raises(ValueError, match="ragged_dot"):
+        MoeConfig(d_model=H, d_ff=I, num_experts=7, top_k=3, ragged_dot="megablocks")
+    with pytest.raises(ValueError, match="tile_rows"):
+        MoeConfig(d_model=H, d_ff=I, num_experts=7, top_k=3, tile_rows=6)

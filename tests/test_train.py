@@ -23,10 +23,19 @@ OVERRIDES = dict(global_batch=8, steps=6, checkpoint_every=2, eval_every=3, eval
                  max_patches=2048, max_images=16, tensorboard=False)
 
 
+# A shallower judge keeps compile time (most of these tests' cost) down; depth is not what
+# these tests are about (the scanned stacks are covered by the model tests).
+SMALL_MODEL = {"model.text_config.num_hidden_layers": 2, "model.vision_config.depth": 1,
+               "model.vision_config.deepstack_visual_indexes": "[0]"}
+
+
 def _cfg(tiny_cfg, shards, **over):
     cfg = tiny_cfg.copy_and_resolve_references()
     cfg.data.dir = shards
     cfg.train.update({**OVERRIDES, **over})
+    cfg.model.text_config.num_hidden_layers = 2
+    cfg.model.vision_config.depth = 1
+    cfg.model.vision_config.deepstack_visual_indexes = [0]
     return cfg
 
 
@@ -86,6 +95,7 @@ KILL_RUN = dict(OVERRIDES, global_batch=4, steps=4, checkpoint_every=2, eval_eve
 
 def _train_cmd(workdir, shards):
     flags = [f"--config.train.{k}={v}" for k, v in KILL_RUN.items()]
+    flags += [f"--config.{k}={v}" for k, v in SMALL_MODEL.items()]
     return [sys.executable, "-m", "launch.train", f"--config={REPO}/configs/tiny.py", f"--workdir={workdir}",
             f"--config.data.dir={shards}", *flags]
 

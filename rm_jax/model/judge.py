@@ -71,6 +71,7 @@ class JudgeOutput:
     image_embeds_nd: jax.Array | None = None    # merged image features [N/m^2, D]
     deepstack_embeds: tuple | None = None       # one [N/m^2, D] per deepstack tap
     moe_aux: MoeAux | None = None               # stacked over sparse layers, in layer order
+    kv_lbtkh: tuple | None = None               # (k, v) of every decoder layer, forward_arrays(return_kv=True)
 
 
 def rope_index(cfg: ModelConfig, input_ids_bt: np.ndarray, image_grid_thw: np.ndarray | None,
@@ -185,14 +186,27 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(t.hidden_size, t.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=pdtype)
 
-    def __call__(self, x_btd, cos_btd, sin_btd, attn_mask, attention_mask_bt):
-        x_btd = x_btd + self.attn(self.input_norm(x_btd), cos_btd, sin_btd, attn_mask)
+    def __call__(self, x_btd, cos_btd, sin_btd, attn_mask, attention_mask_bt, *, return_kv: bool = False):
+        """``(y_btd, aux)``, or ``(y_btd, aux, (k_btkh, v_btkh))`` with ``return_kv`` (cache prefill)."""
+        h_btd, kv = self.attn(self.input_norm(x_btd), cos_btd, sin_btd, attn_mask, return_kv=True)
+        y_btd, aux = self._ffn(x_btd + h_btd, attention_mask_bt)
+        return (y_btd, aux, kv) if return_kv else (y_btd, aux)
+
+    def _ffn(self, x_btd, attention_mask_bt):
+        # Shared by the full forward and the cached decode step, so the two cannot drift apart.
         h_btd = self.post_norm(x_btd)
         if self.sparse:
             y_btd, aux = self.mlp(h_btd, mask_bt=attention_mask_bt)
         else:
             y_btd, aux = self.mlp(h_btd), None
         return constrain(x_btd + y_btd, ("batch", "length", "act_embed")), aux
+
+    def decode(self, x_b1d, cos_b1d, sin_b1d, k_cache_bskh, v_cache_bskh, write_b, kv_lengths_b):
+        """One cached decode step of this layer -> ``(y_b1d, (k_b1kh, v_b1kh))`` (rm_jax.model.decode)."""
+        h_b1d, k_b1kh, v_b1kh = self.attn.decode(self.input_norm(x_b1d), cos_b1d, sin_b1d, k_cache_bskh,
+                                                 v_cache_bskh, write_b, kv_lengths_b)
+        y_b1d, _ = self._ffn(x_b1d + h_b1d, None)
+        return y_b1d, (k_b1kh, v_b1kh)
 
 
 class Qwen3VLMoeJudge(nnx.Module):
@@ -223,10 +237,12 @@ class Qwen3VLMoeJudge(nnx.Module):
         return self.embed_vd[...].T if self.lm_head_dv is None else self.lm_head_dv[...]
 
     def forward_arrays(self, inputs: JudgeInputs, *, return_hidden: bool = False,
-                       logits: bool = True) -> JudgeOutput:
+                       logits: bool = True, return_kv: bool = False) -> JudgeOutput:
         """Pure forward. ``logits=False`` skips the [B, T, V] head (a chunked loss uses
         ``final_hidden_btd`` and ``head_dv()`` instead, which is then always returned).
-        ``return_hidden`` adds every layer's output ([L, B, T, D]: memory, so not for training)."""
+        ``return_hidden`` adds every layer's output ([L, B, T, D]: memory, so not for training).
+        ``return_kv`` adds every layer's rotated keys and values ``kv_lbtkh`` (a KV-cache prefill,
+        rm_jax.model.decode)."""
         cfg, dt = self.cfg, self.dtype
         ids_bt = constrain(jnp.asarray(inputs.input_ids_bt), ("batch", "length"))
         mask_bt = jnp.asarray(inputs.attention_mask_bt)
@@ -252,15 +268,16 @@ class Qwen3VLMoeJudge(nnx.Module):
             attn_mask = AttentionMask(mask_b1ts=causal_padding_mask(mask_bt))
 
         def body(layer, x, _):
-            y, aux = layer(x, cos_btd, sin_btd, attn_mask, mask_bt)
-            return y, (y if return_hidden else None, aux)
+            y, aux, kv = layer(x, cos_btd, sin_btd, attn_mask, mask_bt, return_kv=True)
+            return y, (y if return_hidden else None, aux, kv if return_kv else None)
 
-        hidden, auxes = [], []
+        hidden, auxes, kvs = [], [], []
         for (start, end, _), stack in zip(self.segments, self.decoder):
-            x_btd, (h_lbtd, aux) = stack.apply(body, x_btd, scan=cfg.runtime.scan_layers,
-                                               remat=cfg.runtime.remat)
+            x_btd, (h_lbtd, aux, kv) = stack.apply(body, x_btd, scan=cfg.runtime.scan_layers,
+                                                   remat=cfg.runtime.remat)
             hidden.append(h_lbtd)
             auxes.append(aux)
+            kvs.append(kv)
             if start < len(deepstack):
                 # Layer `start` is alone in its segment (layer_segments guarantees it).
                 feats_nd = deepstack[start].astype(dt)
@@ -275,14 +292,15 @@ class Qwen3VLMoeJudge(nnx.Module):
 
         auxes = [a for a in auxes if a is not None]
         moe_aux = jax.tree.map(lambda *a: jnp.concatenate(a), *auxes) if auxes else None
+        kv_lbtkh = jax.tree.map(lambda *a: jnp.concatenate(a), *kvs) if return_kv else None
         if not return_hidden:
             # Without logits the caller needs the normed hidden states for its own (chunked) head.
             return JudgeOutput(logits_btv=logits, final_hidden_btd=None if logits is not None else final_btd,
-                               moe_aux=moe_aux)
+                               moe_aux=moe_aux, kv_lbtkh=kv_lbtkh)
         return JudgeOutput(
             logits_btv=logits, layer_hidden_lbtd=jnp.concatenate(hidden), inputs_embeds_btd=inputs_embeds,
             final_hidden_btd=final_btd, image_embeds_nd=image_nd,
-            deepstack_embeds=tuple(deepstack) if deepstack else None, moe_aux=moe_aux)
+            deepstack_embeds=tuple(deepstack) if deepstack else None, moe_aux=moe_aux, kv_lbtkh=kv_lbtkh)
 
     # -- convenience API (numpy or jax in, jitted) ----------------------------------------------
 

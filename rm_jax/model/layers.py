@@ -162,7 +162,8 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(head_dim, eps, param_dtype=param_dtype, names=("head_dim",))
         self.k_norm = RMSNorm(head_dim, eps, param_dtype=param_dtype, names=("head_dim",))
 
-    def __call__(self, x_btd, cos_btd, sin_btd, mask: AttentionMask):
+    def project_qkv(self, x_btd, cos_btd, sin_btd):
+        """q, k (normed, then rotated) and v: what a KV cache stores is exactly this k and v."""
         dt = self.dtype
         q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.wq_dnh[...].astype(dt))
         k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.wk_dkh[...].astype(dt))
@@ -170,6 +171,16 @@ class Attention(nnx.Module):
         q_btnh = constrain(q_btnh, ("batch", "length", "act_heads", None))
         q_btnh = apply_rope(self.q_norm(q_btnh), cos_btd, sin_btd)
         k_btkh = apply_rope(self.k_norm(k_btkh), cos_btd, sin_btd)
+        return q_btnh, k_btkh, v_btkh
+
+    def project_out(self, out_btnh):
+        out_btnh = constrain(out_btnh, ("batch", "length", "act_heads", None))
+        y_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.wo_nhd[...].astype(self.dtype))
+        return constrain(y_btd, ("batch", "length", "act_embed"))
+
+    def __call__(self, x_btd, cos_btd, sin_btd, mask: AttentionMask, *, return_kv: bool = False):
+        """``return_kv=True`` also returns ``(k_btkh, v_btkh)`` (a prefill filling a KV cache)."""
+        q_btnh, k_btkh, v_btkh = self.project_qkv(x_btd, cos_btd, sin_btd)
         if mask.mask_b1ts is not None:
             out_btnh = jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, mask=mask.mask_b1ts,
                                                     scale=self.head_dim ** -0.5)
@@ -177,9 +188,25 @@ class Attention(nnx.Module):
             out_btnh = jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, is_causal=True,
                                                     key_value_seq_lengths=mask.kv_lengths_b,
                                                     scale=self.head_dim ** -0.5)
-        out_btnh = constrain(out_btnh, ("batch", "length", "act_heads", None))
-        y_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.wo_nhd[...].astype(dt))
-        return constrain(y_btd, ("batch", "length", "act_embed"))
+        y_btd = self.project_out(out_btnh)
+        return (y_btd, (k_btkh, v_btkh)) if return_kv else y_btd
+
+    def decode(self, x_b1d, cos_b1d, sin_b1d, k_cache_bskh, v_cache_bskh, write_b, kv_lengths_b):
+        """One new token per row against a static-size KV cache (rm_jax.model.decode).
+
+        The new k/v are written at ``write_b`` (per row: right-padded prompts end at different
+        places) into this layer's cache slice, and the query attends to keys ``[0, kv_lengths_b)``,
+        which already excludes the prompt padding and the unwritten tail. Causality is implied:
+        the one query is the newest token. Returns ``(y_b1d, k_b1kh, v_b1kh)``; the caller
+        scatters k/v into the full cache once per step (in place under buffer donation)."""
+        q_b1nh, k_b1kh, v_b1kh = self.project_qkv(x_b1d, cos_b1d, sin_b1d)
+        write = jax.vmap(lambda c_skh, u_1kh, i: jax.lax.dynamic_update_slice_in_dim(c_skh, u_1kh, i, 0))
+        k_bskh = write(k_cache_bskh, k_b1kh.astype(k_cache_bskh.dtype), write_b)
+        v_bskh = write(v_cache_bskh, v_b1kh.astype(v_cache_bskh.dtype), write_b)
+        out_b1nh = jax.nn.dot_product_attention(q_b1nh, k_bskh.astype(q_b1nh.dtype), v_bskh.astype(q_b1nh.dtype),
+                                                key_value_seq_lengths=kv_lengths_b,
+                                                scale=self.head_dim ** -0.5)
+        return self.project_out(out_b1nh), k_b1kh, v_b1kh
 
 
 class MLP(nnx.Module):

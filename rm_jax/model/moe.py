@@ -44,6 +44,7 @@ router outputs outside any ``shard_map``, so they are identical for every backen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.struct
@@ -57,7 +58,8 @@ from jax.sharding import PartitionSpec as P
 from rm_jax.sharding import LOGICAL_RULES, constrain, logical_to_spec
 
 BACKENDS = ("dense", "ragged", "ep_ring")
-RAGGED_DOT_IMPLS = ("tokamax", "lax")
+# "auto": "tiled" when JAX's default backend is the CPU, "tokamax" otherwise.
+RAGGED_DOT_IMPLS = ("auto", "tiled", "tokamax", "lax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +70,18 @@ class MoeConfig:
     top_k: int            # k (HF num_experts_per_tok)
     norm_topk_prob: bool = True
     backend: str = "ragged"         # "dense" (test oracle only) | "ragged" | "ep_ring"
-    ragged_dot: str = "tokamax"     # grouped-matmul implementation: "tokamax" | "lax"
+    # Grouped-matmul implementation: "auto" (CPU -> "tiled", else "tokamax") | "tiled" | "tokamax"
+    # | "lax". tile_rows: rows per tile of "tiled" (a power of two; 0 = chosen from the shapes).
+    ragged_dot: str = "auto"
+    tile_rows: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"MoeConfig.backend={self.backend!r}; expected one of {BACKENDS}")
         if self.ragged_dot not in RAGGED_DOT_IMPLS:
             raise ValueError(f"MoeConfig.ragged_dot={self.ragged_dot!r}; expected one of {RAGGED_DOT_IMPLS}")
+        if self.tile_rows < 0 or self.tile_rows & (self.tile_rows - 1):
+            raise ValueError(f"MoeConfig.tile_rows={self.tile_rows} must be 0 (auto) or a power of two")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"MoeConfig.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
 
@@ -148,13 +155,17 @@ def dense_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd):
 
 
 def sorted_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd, *,
-                   first_expert=0, impl: str = "tokamax"):
+                   first_expert=0, impl: str = "auto", tile_rows: int = 0):
     """Dropless grouped matmul over the experts held here: ids [first_expert, first_expert + E_local).
 
     Assignments to other experts get the sentinel key E_local, so the stable sort puts them after
     every local group. Those rows lie past sum(group_sizes): XLA's ragged_dot zero-fills them but a
-    kernel need not, so they are zeroed explicitly.
+    kernel need not, so they are zeroed explicitly. ``impl="tiled"`` hands over to ``tiled_experts``.
     """
+    impl = resolve_ragged_dot(impl)
+    if impl == "tiled":
+        return tiled_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd,
+                             first_expert=first_expert, tile_rows=tile_rows)
     n_tokens, top_k = experts_tk.shape
     n_local = wi_gate_edf.shape[0]
     local_m = experts_tk.reshape(-1) - first_expert
@@ -176,6 +187,202 @@ def sorted_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd,
     return jnp.einsum("tkd,tk->td", out_tkd, weights_tk.astype(out_tkd.dtype))
 
 
+# --------------------------------------------------------------------------------------------
+# Tiled grouped matmul (the CPU implementation)
+# --------------------------------------------------------------------------------------------
+#
+# XLA's CPU ragged_dot multiplies every row by every expert and masks (E times the work). The tiled
+# form pads each expert's sorted group up to a multiple of ``m`` rows, so every m-row tile belongs to
+# exactly one expert, and runs the whole expert MLP tile by tile in a loop: [m, H] @ W[e] on
+# dynamically sliced weights, only over the tiles in use (sum_e ceil(n_e / m), a traced count), so
+# the work is the useful work plus at most m - 1 padding rows per expert. The buffer is static:
+# ceil((T*k + E*(m-1)) / m) tiles whatever the routing. Row movement (dispatch into the padded
+# layout, combine back) is a gather both ways: the backward of each is a gather through the
+# inverse map, never a scatter-add (XLA's CPU scatter is a serial loop). The loop has a custom VJP
+# (a reverse-mode loop with a traced trip count cannot be derived automatically) that reuses the
+# forward's gate/up activations and accumulates weight gradients per expert in fp32.
+
+def resolve_ragged_dot(impl: str) -> str:
+    """``"auto"`` -> ``"tiled"`` on CPU (XLA's CPU ragged_dot does E times the work), else ``"tokamax"``."""
+    if impl == "auto":
+        return "tiled" if jax.default_backend() == "cpu" else "tokamax"
+    return impl
+
+
+def auto_tile_rows(n_rows: int, n_groups: int) -> int:
+    """Rows per tile: a power of two near a quarter of the mean group, within [8, 256].
+
+    Padding costs on average m/2 rows per expert (about an eighth of the mean group here) and a
+    static worst case of m - 1; smaller tiles run the matmul below the CPU's efficient size.
+    """
+    quarter = max(n_rows // max(n_groups, 1) // 4, 1)
+    return min(max(1 << (quarter.bit_length() - 1), 8), 256)
+
+
+def _varying_axes(a) -> frozenset:
+    aval = jax.typeof(a)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def _match_varying(*arrays):
+    """Cast every array to the union of their varying manual mesh axes.
+
+    Inside ``shard_map`` loop carries and custom-VJP cotangents must carry the same varying-axes
+    type as the values they meet; outside one (or with nothing varying) this is the identity.
+    Autodiff transposes the cast into the ``psum`` that sums, e.g., per-token-shard weight
+    gradients.
+    """
+    union = frozenset().union(*map(_varying_axes, arrays))
+    out = []
+    for a in arrays:
+        missing = union - _varying_axes(a)
+        out.append(jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a)
+    return tuple(out)
+
+
+@jax.custom_vjp
+def _dispatch_rows(x_td, row_token_p, pos_tk):
+    """x_pd[p] = x_td[row_token_p[p]] (zero rows where the index is out of range)."""
+    return jnp.take(x_td, row_token_p, axis=0, mode="fill", fill_value=0)
+
+
+def _dispatch_rows_fwd(x_td, row_token_p, pos_tk):
+    return _dispatch_rows(x_td, row_token_p, pos_tk), (pos_tk, x_td.shape[0])
+
+
+def _dispatch_rows_bwd(res, dx_pd):
+    pos_tk, n_tokens = res
+    # Every token's k assignments sit at pos_tk[t]: gather them and sum (no scatter-add).
+    dx_tkd = jnp.take(dx_pd, pos_tk.reshape(-1), axis=0, mode="fill", fill_value=0)
+    return dx_tkd.reshape(n_tokens, -1, dx_pd.shape[-1]).sum(axis=1), None, None
+
+
+_dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
+
+
+@jax.custom_vjp
+def _combine_rows(y_pd, pos_m, assign_p):
+    """y_md[a] = y_pd[pos_m[a]] (zero rows where the position is out of range)."""
+    return jnp.take(y_pd, pos_m, axis=0, mode="fill", fill_value=0)
+
+
+def _combine_rows_fwd(y_pd, pos_m, assign_p):
+    return _combine_rows(y_pd, pos_m, assign_p), assign_p
+
+
+def _combine_rows_bwd(assign_p, dy_md):
+    # pos_m is injective on the rows it hits: the transpose is the gather through its inverse.
+    return jnp.take(dy_md, assign_p, axis=0, mode="fill", fill_value=0), None, None
+
+
+_combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
+
+
+def _tiled_mlp_loop(m, x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used, save_hidden):
+    n_rows, d = x_pd.shape
+    f = wg_edf.shape[-1]
+    y_pd, *hidden = _match_varying(x_pd, jnp.zeros((n_rows, d), x_pd.dtype),
+                                   *((jnp.zeros((n_rows, f), x_pd.dtype),) * 2 if save_hidden else ()))[1:]
+    hidden = tuple(hidden)
+
+    def body(i, carry):
+        y_pd, hidden = carry
+        e, row = tile_expert_g[i], i * m
+        x_md = jax.lax.dynamic_slice_in_dim(x_pd, row, m)
+        h_mf = x_md @ wg_edf[e]
+        u_mf = x_md @ wu_edf[e]
+        y_pd = jax.lax.dynamic_update_slice_in_dim(y_pd, (jax.nn.silu(h_mf) * u_mf) @ wo_efd[e], row, 0)
+        if save_hidden:
+            hidden = tuple(jax.lax.dynamic_update_slice_in_dim(buf, v, row, 0)
+                           for buf, v in zip(hidden, (h_mf, u_mf)))
+        return y_pd, hidden
+
+    return jax.lax.fori_loop(0, n_used, body, (y_pd, hidden))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def tiled_expert_mlp(m, x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used):
+    """``down(silu(x @ gate[e]) * (x @ up[e]))`` for each m-row tile g < n_used, e = tile_expert_g[g].
+
+    Rows of tiles at or past ``n_used`` are zero.
+    """
+    return _tiled_mlp_loop(m, x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used, False)[0]
+
+
+def _tiled_expert_mlp_fwd(m, x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used):
+    y_pd, (h_pf, u_pf) = _tiled_mlp_loop(m, x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used, True)
+    return y_pd, (x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used, h_pf, u_pf)
+
+
+def _tiled_expert_mlp_bwd(m, res, dy_pd):
+    x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used, h_pf, u_pf = res
+    f32 = jnp.float32
+
+    def body(i, carry):
+        dx_pd, dwg, dwu, dwo = carry
+        e, row = tile_expert_g[i], i * m
+        x_md, h_mf, u_mf, dy_md = (jax.lax.dynamic_slice_in_dim(a, row, m) for a in (x_pd, h_pf, u_pf, dy_pd))
+        sig_mf = jax.nn.sigmoid(h_mf)
+        act_mf = h_mf * sig_mf
+        da_mf = dy_md @ wo_efd[e].T
+        dh_mf = da_mf * u_mf * (sig_mf * (1 + h_mf * (1 - sig_mf)))
+        du_mf = da_mf * act_mf
+        dx_md = dh_mf @ wg_edf[e].T + du_mf @ wu_edf[e].T
+        dx_pd = jax.lax.dynamic_update_slice_in_dim(dx_pd, dx_md, row, 0)
+        acc = lambda dw, a, b: jax.lax.dynamic_update_index_in_dim(
+            dw, dw[e] + jnp.dot(a.T, b, preferred_element_type=f32), e, 0)
+        return dx_pd, acc(dwg, x_md, dh_mf), acc(dwu, x_md, du_mf), acc(dwo, act_mf * u_mf, dy_md)
+
+    init = _match_varying(dy_pd, x_pd, jnp.zeros_like(x_pd),
+                          *(jnp.zeros(w.shape, f32) for w in (wg_edf, wu_edf, wo_efd)))[2:]
+    dx_pd, dwg, dwu, dwo = jax.lax.fori_loop(0, n_used, body, init)
+    return (dx_pd, dwg.astype(wg_edf.dtype), dwu.astype(wu_edf.dtype), dwo.astype(wo_efd.dtype), None, None)
+
+
+tiled_expert_mlp.defvjp(_tiled_expert_mlp_fwd, _tiled_expert_mlp_bwd)
+
+
+def tiled_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd, *,
+                  first_expert=0, tile_rows: int = 0):
+    """``sorted_experts`` with the tiled grouped matmul: same contract, exact, static shapes."""
+    n_tokens, top_k = experts_tk.shape
+    n_local = wi_gate_edf.shape[0]
+    n_assign = n_tokens * top_k
+    m = tile_rows or auto_tile_rows(n_assign, n_local)
+    n_tiles = -(-(n_assign + n_local * (m - 1)) // m)
+    n_rows = n_tiles * m
+
+    local_m = experts_tk.reshape(-1) - first_expert
+    key_m = jnp.where((local_m >= 0) & (local_m < n_local), local_m, n_local)
+    order_m = jnp.argsort(key_m, stable=True)
+    key_sorted_m = key_m[order_m]
+    sizes_e = jnp.bincount(key_m, length=n_local + 1)[:n_local].astype(jnp.int32)
+    padded_e = (sizes_e + m - 1) // m * m
+    start_e = jnp.cumsum(sizes_e) - sizes_e
+    padded_end_e = jnp.cumsum(padded_e)
+    # Padded-layout row of every assignment; assignments to other ranks' experts land past the end.
+    key_c = jnp.minimum(key_sorted_m, n_local - 1)
+    arange_m = jnp.arange(n_assign, dtype=jnp.int32)
+    pos_sorted_m = jnp.where(key_sorted_m < n_local,
+                             padded_end_e[key_c] - padded_e[key_c] + arange_m - start_e[key_c], n_rows)
+    pos_m = jnp.zeros((n_assign,), jnp.int32).at[order_m].set(pos_sorted_m, unique_indices=True)
+    # Inverse map: assignment of every padded row (n_assign = none; its token n_tokens is out of range).
+    assign_p = jnp.full((n_rows,), n_assign, jnp.int32).at[pos_m].set(arange_m, mode="drop",
+                                                                      unique_indices=True)
+    tile_expert_g = jnp.minimum(
+        jnp.searchsorted(padded_end_e, jnp.arange(n_tiles, dtype=jnp.int32) * m, side="right"),
+        n_local - 1).astype(jnp.int32)
+    n_used = padded_end_e[-1] // m
+
+    x_pd = _dispatch_rows(*_match_varying(x_td, assign_p // top_k, pos_m.reshape(n_tokens, top_k)))
+    y_pd = tiled_expert_mlp(m, *_match_varying(x_pd, wi_gate_edf, wi_up_edf, wo_efd, tile_expert_g, n_used))
+    y_tkd = _combine_rows(*_match_varying(y_pd, pos_m, assign_p)).reshape(n_tokens, top_k, -1)
+    return jnp.einsum("tkd,tk->td", y_tkd, weights_tk.astype(y_tkd.dtype))
+
+
 def _mesh_or_none():
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or mesh.size == 1:
@@ -184,7 +391,7 @@ def _mesh_or_none():
 
 
 def sharded_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd, *, mesh,
-                    expert_parallel: bool, impl: str):
+                    expert_parallel: bool, impl: str, tile_rows: int = 0):
     """Run ``sorted_experts`` per token shard under ``shard_map``; optionally ring EP over ``expert``."""
     num_experts, _, d_ff = wi_gate_edf.shape
     token_axes = logical_to_spec(("tokens",))[0]
@@ -215,7 +422,7 @@ def sharded_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd
                                             for a in (x_td, weights_tk, experts_tk))
             first_expert = jax.lax.axis_index(exp_axis) * (num_experts // ep)
         y_td = sorted_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd,
-                              first_expert=first_expert, impl=impl)
+                              first_expert=first_expert, impl=impl, tile_rows=tile_rows)
         if exp_axis:
             y_td = jax.lax.psum_scatter(y_td, exp_axis, scatter_dimension=0, tiled=True)
         if tp_axis:
@@ -290,10 +497,12 @@ class SparseMoeBlock(nnx.Module):
         if backend == "dense":
             y_td = dense_experts(x_td, weights_tk, experts_tk, *experts)
         elif mesh is None:
-            y_td = sorted_experts(x_td, weights_tk, experts_tk, *experts, impl=cfg.ragged_dot)
+            y_td = sorted_experts(x_td, weights_tk, experts_tk, *experts, impl=cfg.ragged_dot,
+                                  tile_rows=cfg.tile_rows)
         else:
             expert_parallel = backend == "ep_ring" and mesh.shape["expert"] > 1
             y_td = sharded_experts(x_td, weights_tk, experts_tk, *experts, mesh=mesh,
-                                   expert_parallel=expert_parallel, impl=cfg.ragged_dot)
+                                   expert_parallel=expert_parallel, impl=cfg.ragged_dot,
+                                   tile_rows=cfg.tile_rows)
         y_btd = constrain(y_td.reshape(b, t, d), ("batch", "length", "act_embed"))
         return y_btd, aux

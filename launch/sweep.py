@@ -1,0 +1,39 @@
+"""Score the held-out split at every saved checkpoint and choose one for RL use.
+
+  python -m launch.sweep --workdir=W --data=DIR [--decode=true] [--max_samples=0]
+
+Writes W/sweep.json, W/sweep.md and W/plots/*.png; prints the table, the chosen step and why.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+
+from launch.common import quiet_library_info
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "training workdir (holds checkpoints/)", required=True)
+_DATA = flags.DEFINE_string("data", None, "built shard directory (launch.build_data --out)", required=True)
+_DECODE = flags.DEFINE_bool("decode", True, "decode reason/issues/img after the verdict (img corr)")
+_MAX = flags.DEFINE_integer("max_samples", 0, "score only the first N held-out samples (0 = all)")
+_BATCH = flags.DEFINE_integer("batch_size", 16, "scoring batch")
+_AUC_TOL = flags.DEFINE_float("auc_tolerance", 0.015, "selection: AUC within this of the best")
+_MIN_MZ = flags.DEFINE_float("min_middle_zone", 0.05, "selection: minimum middle-zone share")
+_OBJECTIVE = flags.DEFINE_enum("objective", "fail_f1", ["fail_f1", "auc", "val_loss"], "selection objective")
+
+
+def main(argv):
+    del argv
+    quiet_library_info()
+    from rm_jax.eval.selection import SelectionRule
+    from rm_jax.eval.sweep import run_sweep
+
+    rule = SelectionRule(auc_tolerance=_AUC_TOL.value, min_middle_zone=_MIN_MZ.value, objective=_OBJECTIVE.value)
+    out = run_sweep(_WORKDIR.value, _DATA.value, rule=rule, decode=_DECODE.value, max_samples=_MAX.value,
+                    batch_size=_BATCH.value, progress=True)
+    with open(f"{_WORKDIR.value}/sweep.md") as f:
+        print(f.read())
+    print(f"chosen step {out['chosen']['step']}: {out['chosen']['reason']}")
+
+
+if __name__ == "__main__":
+    app.run(main)

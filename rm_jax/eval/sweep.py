@@ -1,0 +1,193 @@
+"""The checkpoint sweep: score the held-out split at every saved step, pick one for RL use.
+
+The field report picked step 900 over the lowest-validation-loss step 1100: a reward model is
+chosen for what GRPO will do with it (AUC, middle zone, catching failures), so the sweep scores
+every checkpoint the trainer kept with the real scorer (verdict slot, decoding for img/issues),
+applies the declared selection rule (rm_jax.eval.selection), and then validates the chosen
+checkpoint *as a reward*: separation by teacher label and within-group spread.
+
+Held-out samples are re-read from the build's input JSONL by id and rendered by the same
+renderer that built the shards, so the judge sees exactly what it saw in evaluation at train time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Sequence
+
+import ml_collections
+import numpy as np
+
+from rm_jax.data import records
+from rm_jax.data.render import Renderer
+from rm_jax.data.schema import Sample, read_samples
+from rm_jax.eval import plots
+from rm_jax.eval.baseline import shortcut_baseline
+from rm_jax.eval.metrics import judge_metrics, to_jsonable
+from rm_jax.eval.reward_report import format_markdown, reward_report
+from rm_jax.eval.selection import SelectionRule, SweepRow, format_table, select_checkpoint
+from rm_jax.score.reward import compute_reward
+
+
+def workdir_config(workdir: str) -> ml_collections.ConfigDict:
+    with open(os.path.join(workdir, "manifest.json")) as f:
+        return ml_collections.ConfigDict(json.load(f)["config"])
+
+
+def split_samples(data_dir: str) -> dict[str, list[Sample]]:
+    """The build's samples by split (ids from the shards, rows from the build's input JSONL)."""
+    import grain
+    with open(os.path.join(data_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    ids = {}
+    for split in records.SPLITS:
+        src = grain.sources.ArrayRecordDataSource(records.shard_paths(data_dir, split))
+        ids[split] = [records.decode(src[i])["id"] for i in range(len(src))]
+    by_id = {s.id: s for s in read_samples(manifest["input"]) if isinstance(s, Sample)}
+    missing = [i for split in ids.values() for i in split if i not in by_id]
+    if missing:
+        raise ValueError(f"{len(missing)} built ids are not in {manifest['input']} (e.g. {missing[:3]}); "
+                         f"was the input changed after the build?")
+    return {split: [by_id[i] for i in split_ids] for split, split_ids in ids.items()}
+
+
+def make_renderer(cfg, data_dir: str) -> Renderer:
+    with open(os.path.join(data_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    return Renderer.from_config(cfg.data, manifest["tokenizer_dir"],
+                                storage_dtype=manifest["build_options"]["pixel_dtype"])
+
+
+@dataclasses.dataclass
+class StepScores:
+    step: int
+    results: list                 # JudgeResult per held-out sample
+    metrics: dict
+    seconds: float
+
+
+def _slices(samples: Sequence[Sample], renderer: Renderer) -> dict[str, np.ndarray]:
+    tool = np.asarray([s.response.calls_tools for s in samples])
+    img = np.asarray([bool(_has_image(s)) for s in samples])
+    return {"tool_call": tool, "text_only": ~tool, "with_image": img, "without_image": ~img}
+
+
+def _has_image(sample: Sample) -> bool:
+    from rm_jax.score.reward import sample_has_image
+    return sample_has_image(sample)
+
+
+def evaluate_results(samples: Sequence[Sample], results: Sequence, renderer: Renderer) -> dict:
+    labels = [s.label.l3 for s in samples]
+    return judge_metrics(labels, [r.p_pass for r in results],
+                         img_pred=[r.img for r in results], img_true=[s.label.img for s in samples],
+                         parse_ok=[r.parse_ok for r in results],
+                         off_vocab_mass=[r.off_vocab_mass for r in results],
+                         slices=_slices(samples, renderer))
+
+
+def reward_records(samples: Sequence[Sample], results: Sequence) -> list[dict]:
+    out = []
+    for s, r in zip(samples, results):
+        rw = compute_reward(s, r.p_pass, list(r.issues), r.img)
+        out.append({"id": s.id, "prompt_id": s.prompt_id, "label": s.label.l3, "reward": rw.reward,
+                    "rule_score": rw.rule_score, "p_pass": r.p_pass, "n_issues": len(r.issues)})
+    return out
+
+
+def val_losses(workdir: str) -> dict[int, float]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {int(r["step"]): float(r["val_loss"]) for r in rows if r.get("val_loss") is not None}
+
+
+def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRule(), decode: bool = True,
+              max_samples: int = 0, batch_size: int = 16, max_new_tokens: int = 64,
+              progress: bool = False) -> dict:
+    from rm_jax.score.checkpoints import list_steps, load_judge
+    from rm_jax.score.scorer import Scorer
+
+    t0 = time.time()
+    cfg = workdir_config(workdir)
+    renderer = make_renderer(cfg, data_dir)
+    splits = split_samples(data_dir)
+    heldout = splits["heldout"][:max_samples] if max_samples else splits["heldout"]
+    if not heldout:
+        raise ValueError(f"{data_dir}: the held-out split is empty")
+    steps = list_steps(workdir)
+    if not steps:
+        raise FileNotFoundError(f"{workdir}/checkpoints holds no checkpoint to sweep")
+    losses = val_losses(workdir)
+    per_step: dict[int, StepScores] = {}
+    for step in steps:
+        ts = time.time()
+        model, _, _ = load_judge(workdir, step)
+        scorer = Scorer(model, renderer, field_order=tuple(cfg.data.field_order), buckets=tuple(cfg.data.buckets),
+                        batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
+        results = scorer.score(heldout) if decode else scorer.p_pass(heldout)
+        per_step[step] = StepScores(step, results, evaluate_results(heldout, results, renderer), time.time() - ts)
+        print(f"step {step}: auc {per_step[step].metrics['auc']}, middle zone "
+              f"{per_step[step].metrics['middle_zone']:.3f}, fail F1 {per_step[step].metrics['fail_f1']:.3f} "
+              f"({per_step[step].seconds:.1f}s)", flush=True)
+    rows = [SweepRow.from_metrics(s, per_step[s].metrics, losses.get(s)) for s in steps]
+    choice = select_checkpoint(rows, rule)
+    naive = select_checkpoint(rows, SelectionRule.lowest_val_loss()) if any(r.val_loss is not None for r in rows) else None
+    chosen = per_step[choice.step]
+    rewards = reward_records(heldout, chosen.results)
+    reward_val = reward_report(rewards)
+    baseline = shortcut_baseline(splits["train"], heldout)
+
+    plot_paths = {
+        "sweep": plots.plot_sweep(rows, choice.step, os.path.join(workdir, "plots", "sweep_metrics.png")),
+        "reliability": plots.plot_reliability([s.label.l3 for s in heldout], [r.p_pass for r in chosen.results],
+                                              os.path.join(workdir, "plots", f"reliability_step{choice.step}.png")),
+        "p_pass_hist": plots.plot_p_pass_hist([s.label.l3 for s in heldout], [r.p_pass for r in chosen.results],
+                                              os.path.join(workdir, "plots", f"p_pass_hist_step{choice.step}.png")),
+        "reward_hist": plots.plot_reward_hist([s.label.l3 for s in heldout], [r["reward"] for r in rewards],
+                                              os.path.join(workdir, "plots", f"reward_hist_step{choice.step}.png")),
+    }
+    out = to_jsonable({
+        "workdir": os.path.abspath(workdir), "data": os.path.abspath(data_dir), "n_heldout": len(heldout),
+        "rule": rule.describe(), "rows": [dataclasses.asdict(r) for r in rows],
+        "chosen": {"step": choice.step, "reason": choice.reason, "candidates": choice.candidates,
+                   "fallback": choice.fallback, **chosen.metrics},
+        "lowest_val_loss_step": naive.step if naive else None,
+        "reward_validation": reward_val, "shortcut_baseline": baseline, "plots": plot_paths,
+        "seconds": round(time.time() - t0, 2), "seconds_per_step": {s: round(v.seconds, 2) for s, v in per_step.items()},
+    })
+    with open(os.path.join(workdir, "sweep.json"), "w") as f:
+        json.dump(out, f, indent=2)
+    with open(os.path.join(workdir, "sweep.md"), "w") as f:
+        f.write(format_sweep_markdown(out, rows, choice))
+    return out
+
+
+def format_sweep_markdown(out: dict, rows: Sequence[SweepRow], choice) -> str:
+    c = out["chosen"]
+    lines = ["# Checkpoint sweep", "", f"Held-out samples: {out['n_heldout']}. Rule: {out['rule']}.", "",
+             format_table(rows, choice), "",
+             f"**Chosen: step {c['step']}.** {c['reason']}"]
+    if out.get("lowest_val_loss_step") is not None:
+        lines.append(f"(The lowest validation loss is at step {out['lowest_val_loss_step']}.)")
+    lines += ["", "## Chosen checkpoint by slice", "", "| slice | n | fails | accuracy | fail F1 | AUC | middle zone |",
+              "|---|---|---|---|---|---|---|"]
+    for name, m in (c.get("slices") or {}).items():
+        lines.append(f"| {name} | {m['n']} | {m['n_fail']} | {_fmt(m['accuracy'])} | {_fmt(m['fail_f1'])} | "
+                     f"{_fmt(m['auc'], '{:.3f}')} | {_fmt(m['middle_zone'])} |")
+    lines += ["", f"Parse failures: {_fmt(c.get('parse_failure_rate'))}; mean off-vocab mass at the slot: "
+              f"{_fmt(c.get('mean_off_vocab_mass'), '{:.4f}')}.", "", "## Reward validation (chosen step)", "",
+              format_markdown(out["reward_validation"]), "", "## Shortcut baseline", "",
+              f"Logistic regression on response length/format features only: held-out AUC "
+              f"{_fmt(out['shortcut_baseline'].get('auc'), '{:.3f}')} (near 0.5 = the labels do not leak "
+              f"through surface features)."]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(x, fmt: str = "{:.1%}") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and not np.isfinite(x)) else fmt.format(x)

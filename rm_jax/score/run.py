@@ -1,0 +1,64 @@
+"""Score a JSONL file end to end: parse, render-check, judge, rule checks, reward, write.
+
+Bad rows never stop the run: a row that fails the contract or cannot be rendered (missing or
+corrupt image...) gets `{"id", "error"}` with the reason, and every other row is scored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from rm_jax.data.schema import Reject, SampleError, read_samples
+from rm_jax.score.reward import compute_reward
+
+
+def _renderer_for(workdir: str, tokenizer: str):
+    from rm_jax.data.render import Renderer
+    from rm_jax.eval.sweep import workdir_config
+    cfg = workdir_config(workdir)
+    data_dir = cfg.data.dir
+    with open(os.path.join(data_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    return cfg, Renderer.from_config(cfg.data, tokenizer or manifest["tokenizer_dir"],
+                                     storage_dtype=manifest["build_options"]["pixel_dtype"])
+
+
+def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None = None, tokenizer: str = "",
+               batch_size: int = 16, max_new_tokens: int = 64, progress: bool = True) -> dict:
+    from rm_jax.score.checkpoints import load_judge
+    from rm_jax.score.scorer import Scorer
+
+    cfg, renderer = _renderer_for(workdir, tokenizer)
+    model, _, used_step = load_judge(workdir, step)
+    rows: list[dict | None] = []
+    good = []
+    for item in read_samples(input_path, require_label=False):
+        if isinstance(item, Reject):
+            rows.append({"id": item.id, "error": f"{item.reason}: {item.detail}"})
+            continue
+        try:
+            renderer.render(item, with_target=False)   # images decode, template fits
+        except SampleError as e:
+            rows.append({"id": item.id, "error": f"{e.reason}: {e}"})
+            continue
+        rows.append(None)
+        good.append(item)
+    scorer = Scorer(model, renderer, field_order=tuple(cfg.data.field_order), buckets=tuple(cfg.data.buckets),
+                    batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
+    results = iter(zip(good, scorer.score(good)))
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    n_err = 0
+    with open(out_path, "w") as f:
+        for row in rows:
+            if row is None:
+                sample, r = next(results)
+                rw = compute_reward(sample, r.p_pass, list(r.issues), r.img)
+                row = {"id": sample.id, "p_pass": r.p_pass, "verdict": r.verdict, "reason": r.reason,
+                       "issues": list(r.issues), "img": r.img, "parse_ok": r.parse_ok,
+                       "off_vocab_mass": r.off_vocab_mass, "rule_score": rw.rule_score,
+                       "components": rw.components, "reward": rw.reward}
+            else:
+                n_err += 1
+            f.write(json.dumps(row, ensure_ascii=False, default=float) + "\n")
+    return {"scored": len(good), "errors": n_err, "step": used_step, "out": out_path}

@@ -1,0 +1,280 @@
+"""The scorer: P(pass) at the verdict slot after one prefill, and the full verdict by decoding.
+
+``Scorer(model, renderer, field_order=..., buckets=..., batch_size=..., max_new_tokens=...)``
+
+* ``p_pass(samples) -> list[VerdictScore]``: the GRPO reward's continuous part.
+* ``score(samples) -> list[JudgeResult]``: P(pass), then the rest of the verdict JSON (reason,
+  issues, img) by greedy decoding with a KV cache, parsed with ``target.parse_output``.
+
+Design choices:
+
+* **Exactly the training input.** Each sample goes through ``renderer.render(sample,
+  with_target=False)`` (the one renderer build and labelling use), then the verdict prefix tokens
+  ``renderer.scoring_prefix_ids()`` (``{"l3": "``, tokenized as its own piece, as the training
+  target was). The last prompt position is then the verdict slot, the position whose next-token
+  distribution the judge was trained to put on ``pass``/``fail``.
+* **The slot, never the first "pass".** P(pass) = softmax over the two verdict tokens' logits
+  at the slot. Searching the generated text for the first "pass" would read a word in a reason
+  ("... the pass-through URL ...") or a confidence already collapsed by the reason written before
+  it. ``off_vocab_mass`` = 1 - the full-vocabulary probability of those two tokens: a judge that
+  puts mass elsewhere at the slot is off its format, which P(pass) alone would hide.
+* **One prefill, no [B, T, V].** The verdict-first P(pass) path is one jitted forward with
+  ``logits=False``; only each row's last hidden state meets the LM head (``head_dv()``), so the
+  vocabulary matmul is ``[B, D] x [D, V]``, not ``[B, T, D] x [D, V]``.
+* **Static shapes.** Samples are sorted by length and batched; each batch is padded like the
+  training loader (``loader.Collate``: the smallest length bucket that fits, patches and image rows
+  to powers of two, right padding, a fixed batch size with filler rows), so a run compiles one
+  prefill (and one decode loop) per bucket, whatever the samples. Filler rows hold one pad token
+  so that no row is empty; their results are dropped.
+* **Decoding** (``rm_jax.model.decode``): prefill into a static KV cache of ``bucket +
+  max_new_tokens`` slots, then a jitted ``while_loop`` of one-token steps, stopping per row at EOS
+  and as a whole when every row is done or the budget is spent. Verdict-first: the decoder starts
+  *at* the slot, reads P(pass) from the prefill logits, forces the chosen verdict's tokens
+  (argmax over pass/fail, the same decision P(pass) >= 0.5 makes) and decodes the rest.
+  Reason-first (the ablation): decoding starts at the assistant turn and the decoder's slot
+  automaton reads P(pass) at the step where the generated text ends with ``"l3": "``; ``p_pass``
+  stops as soon as every row has reached it.
+* **Sharding.** With a mesh (the training mesh; the model loaded onto it), token arrays are
+  placed with their batch dimension over the batch axes (``data, fsdp, expert``); the model's own
+  logical constraints do the rest. ``batch_size`` must divide evenly over those axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rm_jax.data import loader as loader_lib
+from rm_jax.data import target as target_lib
+from rm_jax.data.render import JudgeInput, Renderer
+from rm_jax.data.schema import Sample, SampleError
+from rm_jax.model.decode import SLOT_PATTERN, DecodeSpec, Decoder, slot_automaton
+from rm_jax.model.judge import JudgeInputs, Qwen3VLMoeJudge, prepare_inputs
+from rm_jax.sharding import logical_to_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class VerdictScore:
+    id: str
+    p_pass: float              # softmax over [pass, fail] logits at the slot; nan without a slot
+    off_vocab_mass: float      # 1 - P(pass token) - P(fail token) over the full vocabulary
+    logit_pass: float
+    logit_fail: float
+    slot_found: bool = True    # reason-first: the decoder reached '"l3": "' within the budget
+    error: str | None = None   # render failure / too long: no score
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeResult:
+    id: str
+    p_pass: float
+    verdict: str | None        # the slot's choice (argmax pass/fail) when found, else the parsed l3
+    reason: str | None
+    issues: tuple[str, ...]
+    img: int | None
+    parse_ok: bool             # parse_output status "ok" or "recovered"
+    status: str                # parse_output status, or "error"
+    off_vocab_mass: float
+    text: str                  # the judge's output: scoring prefix + decoded tokens (EOS cut)
+    n_new_tokens: int
+    finished: bool             # EOS within max_new_tokens
+    slot_found: bool = True
+    slot_index: int = -1       # index of the verdict token among the new tokens (0 when verdict-first)
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Item:
+    index: int                 # position in the caller's list
+    rendered: JudgeInput
+    ids: np.ndarray            # prompt + scoring prefix
+
+
+def _probabilities(lp: float, lf: float, lse: float) -> tuple[float, float]:
+    lp, lf, lse = float(lp), float(lf), float(lse)
+    p_pass = 1.0 / (1.0 + math.exp(min(lf - lp, 700.0)))
+    in_vocab = math.exp(lp - lse) + math.exp(lf - lse)
+    return p_pass, min(1.0, max(0.0, 1.0 - in_vocab))
+
+
+class Scorer:
+    def __init__(self, model: Qwen3VLMoeJudge, renderer: Renderer, *, field_order: Sequence[str] | None = None,
+                 buckets: Sequence[int], batch_size: int, max_new_tokens: int = 128, mesh=None,
+                 progress: bool | None = None):
+        order = tuple(field_order) if field_order is not None else tuple(renderer.cfg.field_order)
+        if order != tuple(renderer.cfg.field_order):
+            # The slot prefix and the decoded JSON follow the order the judge was trained on.
+            raise ValueError(f"field_order {order} differs from the renderer's {tuple(renderer.cfg.field_order)}")
+        self.model, self.renderer, self.field_order = model, renderer, order
+        self.verdict_first = target_lib.verdict_prefix(order) is not None
+        self.prefix_ids = list(renderer.scoring_prefix_ids() or [])
+        self.buckets = tuple(sorted(int(b) for b in buckets))
+        self.batch_size, self.max_new_tokens = int(batch_size), int(max_new_tokens)
+        self.mesh = mesh if mesh is not None else getattr(model, "mesh", None)
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.decoder = Decoder(model, self.mesh)
+        tok = renderer.tokenizer
+        self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else renderer.eos_id)
+        v = renderer.verdict
+        self.pass_id, self.fail_id = int(v.pass_id), int(v.fail_id)
+        self._spec = DecodeSpec(max_new_tokens=self.max_new_tokens, eos_id=int(renderer.eos_id), pad_id=self.pad_id,
+                                pass_ids=tuple(int(i) for i in v.pass_ids), fail_ids=tuple(int(i) for i in v.fail_ids))
+        self._full_state = len(SLOT_PATTERN)
+        self._table = None
+        self._batch_spec = None
+        if self.mesh is not None:
+            axes = logical_to_spec(("batch",))[0]
+            shards = int(np.prod([self.mesh.shape[a] for a in axes]))
+            if self.batch_size % shards:
+                raise ValueError(f"batch_size={self.batch_size} is not divisible by the mesh's batch axes "
+                                 f"{axes} = {shards} devices")
+            self._batch_spec = axes
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def p_pass(self, samples: Sequence[Sample]) -> list[VerdictScore]:
+        """P(pass) at the verdict slot for each sample (order kept)."""
+        items, errors = self._render(samples)
+        out: list[VerdictScore | None] = [None] * len(samples)
+        for i, err in errors.items():
+            out[i] = VerdictScore(samples[i].id, math.nan, math.nan, math.nan, math.nan, False, err)
+        for batch, inputs in self._batches(items, "p_pass"):
+            if self.verdict_first:
+                lp, lf, lse = jax.device_get(self.decoder.slot_logits(inputs, self.pass_id, self.fail_id))
+                found = np.ones(len(lp), bool)
+            else:
+                spec = dataclasses.replace(self._spec, stop_at_slot=True)
+                gen = jax.device_get(self.decoder.generate(inputs, spec, self._slot_table(),
+                                                           np.zeros(self.batch_size, np.int32),
+                                                           live_b=self._live(batch)))
+                lp, lf, lse, found = gen.logit_pass_b, gen.logit_fail_b, gen.logsumexp_b, gen.slot_found_b
+            for row, it in enumerate(batch):
+                sid = samples[it.index].id
+                if not found[row]:
+                    out[it.index] = VerdictScore(sid, math.nan, math.nan, math.nan, math.nan, False, None)
+                    continue
+                p, off = _probabilities(lp[row], lf[row], lse[row])
+                out[it.index] = VerdictScore(sid, p, off, float(lp[row]), float(lf[row]), True, None)
+        return out  # type: ignore[return-value]
+
+    def score(self, samples: Sequence[Sample], *, forced_ids: Sequence[Sequence[int]] | None = None
+              ) -> list[JudgeResult]:
+        """P(pass) plus the decoded verdict JSON, parsed.
+
+        ``forced_ids`` (optional, per sample): assistant tokens to teacher-force instead of
+        decoding (after the scoring prefix when verdict-first) -- reads the slot and the parse of a
+        given output, e.g. a teacher label, through the same decoder."""
+        items, errors = self._render(samples)
+        out: list[JudgeResult | None] = [None] * len(samples)
+        for i, err in errors.items():
+            out[i] = JudgeResult(samples[i].id, math.nan, None, None, (), None, False, "error", math.nan, "", 0,
+                                 False, False, -1, err)
+        tok = self.renderer.tokenizer
+        match0 = np.full(self.batch_size, self._full_state if self.verdict_first else 0, np.int32)
+        for batch, inputs in self._batches(items, "score"):
+            force_bf = force_len_b = None
+            if forced_ids is not None:
+                rows = [list(forced_ids[it.index]) for it in batch]
+                width = max(1, max(len(r) for r in rows))
+                force_bf = np.full((self.batch_size, width), self.pad_id, np.int32)
+                force_len_b = np.zeros(self.batch_size, np.int32)
+                for r, ids in enumerate(rows):
+                    force_bf[r, :len(ids)], force_len_b[r] = ids, len(ids)
+            gen = jax.device_get(self.decoder.generate(inputs, self._spec, self._slot_table(), match0,
+                                                       force_bf, force_len_b, live_b=self._live(batch)))
+            for row, it in enumerate(batch):
+                n = int(gen.n_tokens_b[row])
+                new_ids = [int(t) for t in gen.tokens_bn[row, :n]]
+                finished = bool(new_ids) and new_ids[-1] == self._spec.eos_id
+                if finished:
+                    new_ids = new_ids[:-1]
+                text = tok.decode(self.prefix_ids + new_ids, skip_special_tokens=True,
+                                  clean_up_tokenization_spaces=False)
+                parsed = target_lib.parse_output(text)
+                found = bool(gen.slot_found_b[row])
+                if found:
+                    p, off = _probabilities(gen.logit_pass_b[row], gen.logit_fail_b[row], gen.logsumexp_b[row])
+                    verdict = "pass" if gen.logit_pass_b[row] >= gen.logit_fail_b[row] else "fail"
+                else:
+                    p, off, verdict = math.nan, math.nan, parsed.l3
+                out[it.index] = JudgeResult(
+                    id=samples[it.index].id, p_pass=p, verdict=verdict, reason=parsed.reason,
+                    issues=tuple(parsed.issues), img=parsed.img, parse_ok=parsed.status != "failed",
+                    status=parsed.status, off_vocab_mass=off, text=text, n_new_tokens=n, finished=finished,
+                    slot_found=found, slot_index=int(gen.slot_step_b[row]))
+        return out  # type: ignore[return-value]
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def render(self, samples: Sequence[Sample]) -> tuple[list[_Item], dict[int, str]]:
+        """Rendered items (prompt + scoring prefix) and {index: error} for the ones that failed."""
+        return self._render(samples)
+
+    def _render(self, samples: Sequence[Sample]) -> tuple[list[_Item], dict[int, str]]:
+        items, errors = [], {}
+        for i, s in enumerate(samples):
+            try:
+                ji = self.renderer.render(s, with_target=False)
+            except SampleError as e:
+                errors[i] = f"{e.reason}: {e}"
+                continue
+            ids = np.concatenate([ji.input_ids, np.asarray(self.prefix_ids, np.int32)]).astype(np.int32)
+            if len(ids) > self.buckets[-1]:
+                errors[i] = f"too_long: {len(ids)} tokens > the largest bucket {self.buckets[-1]}"
+                continue
+            items.append(_Item(i, ji, ids))
+        return items, errors
+
+    def _live(self, batch: list[_Item]) -> np.ndarray:
+        return np.arange(self.batch_size) < len(batch)
+
+    def _slot_table(self):
+        if self._table is None:
+            v = self.model.cfg.text.vocab_size
+            if self.verdict_first:
+                # Decoding starts at the slot; after it the automaton is never consulted again.
+                table = np.zeros((self._full_state + 1, v), np.int32)
+            else:
+                table = slot_automaton(self.renderer.tokenizer, v)
+            self._table = jax.numpy.asarray(table)
+        return self._table
+
+    def _batches(self, items: list[_Item], desc: str):
+        """Sorted by length, padded like the loader; yields (items of the batch, device JudgeInputs)."""
+        from tqdm import tqdm
+        order = sorted(items, key=lambda it: len(it.ids))
+        cfg = self.model.cfg
+        collate = loader_lib.Collate(self.batch_size, self.buckets, self.pad_id, cfg.vision.patch_dim)
+        with tqdm(total=len(items), desc=desc, unit="sample", disable=not self.progress) as bar:
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start:start + self.batch_size]
+                records = [{"input_ids": it.ids, "target_mask": np.zeros(len(it.ids), np.uint8),
+                            "verdict_pos": -1, "label": -1, "route_tool_call": 0, "has_image": int(it.rendered.has_image),
+                            "pixel_values": it.rendered.pixel_values, "image_grid_thw": it.rendered.image_grid_thw}
+                           for it in chunk]
+                b = collate(records)
+                mask = b["attention_mask"]
+                mask[len(chunk):, 0] = 1       # filler rows: one pad token, never an empty row
+                inputs = prepare_inputs(cfg, b["input_ids"], mask, b["pixel_values"], b["image_grid_thw"],
+                                        attention="lengths")
+                yield chunk, self._to_device(inputs)
+                bar.update(len(chunk))
+
+    def _to_device(self, inputs: JudgeInputs) -> JudgeInputs:
+        if self.mesh is None:
+            return inputs
+        mesh, axes = self.mesh, self._batch_spec
+        on_batch = lambda dim, nd: NamedSharding(mesh, PartitionSpec(*[axes if d == dim else None for d in range(nd)]))
+        put = lambda x, dim: None if x is None else jax.device_put(np.asarray(x), on_batch(dim, np.ndim(x)))
+        replicated = NamedSharding(mesh, PartitionSpec())
+        vision = None if inputs.vision is None else jax.tree.map(
+            lambda x: jax.device_put(np.asarray(x), replicated), inputs.vision)
+        return JudgeInputs(input_ids_bt=put(inputs.input_ids_bt, 0), attention_mask_bt=put(inputs.attention_mask_bt, 0),
+                           positions_3bt=put(inputs.positions_3bt, 1), image_index_bt=put(inputs.image_index_bt, 0),
+                           kv_lengths_b=put(inputs.kv_lengths_b, 0), vision=vision)

@@ -1,0 +1,150 @@
+"""The scorer on a converted tiny judge: P(pass) == transformers at the same position, the verdict
+slot for both field orders (never a "pass" inside the reason), score() parses, sharded == unsharded.
+
+The HF model is random-weight Qwen3VLMoeForConditionalGeneration built from configs/tiny.py with
+the synthetic tokenizer's vocabulary, saved and loaded with rm_jax.model.load_hf. transformers gets
+exactly the input_ids / pixel_values / image_grid_thw the renderer produced.
+"""
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from rm_jax.data.render import Renderer
+from rm_jax.data.schema import Label, Sample, read_samples
+from rm_jax.data.target import VERDICT_FIRST
+from rm_jax.model import load_hf
+from rm_jax.score.scorer import Scorer
+
+REASON_FIRST = ("reason", "issues", "img", "l3")
+BUCKETS = (512, 768, 1024)
+
+
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory, renderer):
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    from configs.tiny import model_config
+    d = model_config().to_dict()
+    d["text_config"]["vocab_size"] = len(renderer.tokenizer)
+    torch.manual_seed(0)
+    hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**d)).eval().float()
+    path = tmp_path_factory.mktemp("tiny_hf")
+    hf.save_pretrained(path)
+    model, cfg = load_hf(path)
+    return hf, model, cfg, path
+
+
+@pytest.fixture(scope="module")
+def samples(synth_dir):
+    got = [s for s in read_samples(os.path.join(synth_dir, "samples.jsonl")) if isinstance(s, Sample)]
+    with_img = [s for s in got if s.images][:4]
+    without = [s for s in got if not s.images][:1]
+    return with_img + without
+
+
+def hf_last_logits(hf, cfg, ids, pixel_values, grid):
+    kw = dict(input_ids=torch.tensor(ids[None], dtype=torch.long))
+    if len(grid):
+        kw.update(pixel_values=torch.tensor(np.asarray(pixel_values, np.float32)),
+                  image_grid_thw=torch.tensor(np.asarray(grid, np.int64)),
+                  mm_token_type_ids=torch.tensor((ids[None] == cfg.image_token_id).astype(np.int64)))
+    with torch.no_grad():
+        return hf(**kw).logits[0].double().numpy()
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+@pytest.fixture(scope="module")
+def scorer(judge, renderer):
+    _, model, _, _ = judge
+    return Scorer(model, renderer, field_order=VERDICT_FIRST, buckets=BUCKETS, batch_size=4,
+                  max_new_tokens=48, progress=False)
+
+
+def test_p_pass_equals_transformers(judge, renderer, samples, scorer):
+    hf, model, cfg, _ = judge
+    scores = scorer.p_pass(samples)
+    assert [s.id for s in scores] == [s.id for s in samples]
+    v = renderer.verdict
+    for s, got in zip(samples, scores):
+        ji = renderer.render(s, with_target=False)
+        ids = np.concatenate([ji.input_ids, renderer.scoring_prefix_ids()])
+        logits = hf_last_logits(hf, cfg, ids, ji.pixel_values, ji.image_grid_thw)[-1]
+        ref = softmax(logits[[v.pass_id, v.fail_id]])[0]
+        full = softmax(logits)
+        assert got.slot_found and got.error is None
+        assert abs(got.p_pass - ref) < 1e-5, (s.id, got.p_pass, ref)
+        assert abs(got.off_vocab_mass - (1 - full[v.pass_id] - full[v.fail_id])) < 1e-5
+        assert 0.0 <= got.off_vocab_mass <= 1.0
+
+
+def test_score_verdict_first(renderer, samples, scorer):
+    quick = scorer.p_pass(samples)
+    results = scorer.score(samples)
+    for q, r in zip(quick, results):
+        assert r.id == q.id and abs(r.p_pass - q.p_pass) < 1e-5
+        assert r.verdict == ("pass" if q.p_pass >= 0.5 else "fail")
+        # Decoding starts at the slot with the chosen verdict, so even a random judge's text
+        # carries it in the l3 slot.
+        assert r.text.startswith('{"l3": "' + r.verdict) and r.slot_index == 0
+        assert 1 <= r.n_new_tokens <= 48 and r.status in ("ok", "recovered", "failed")
+        assert 0.0 <= r.off_vocab_mass <= 1.0
+
+    # Teacher-forcing the labels' JSON (after the prefix) through the same decoder: parses exactly.
+    prefix = len(renderer.scoring_prefix_ids())
+    forced = []
+    for s in samples:
+        full, prompt = renderer.render(s), renderer.render(s, with_target=False)
+        forced.append(full.input_ids[prompt.length + prefix:].tolist())
+    for s, q, r in zip(samples, quick, scorer.score(samples, forced_ids=forced)):
+        assert r.status == "ok" and r.parse_ok and r.finished
+        assert (r.reason, list(r.issues), r.img) == (s.label.reason, list(s.label.issues), s.label.img)
+        assert abs(r.p_pass - q.p_pass) < 1e-5     # the slot is still the prefill's last position
+
+
+def test_reason_first_slot_is_the_l3_value(judge, renderer, samples):
+    """Teacher-force a reason-first target whose reason says "pass" (quoted, too) before l3."""
+    hf, model, cfg, _ = judge
+    rf = Renderer(renderer.tokenizer, renderer.image_pre, dataclasses.replace(renderer.cfg, field_order=REASON_FIRST))
+    assert rf.scoring_prefix_ids() is None
+    s = samples[0]
+    s = dataclasses.replace(s, label=Label("fail", 'the "pass" check: pass, then pass again', ("missing arg",), 3))
+    full, prompt = rf.render(s), rf.render(s, with_target=False)
+    new_ids = full.input_ids[prompt.length:]
+    slot = full.verdict_pos - prompt.length
+    v = rf.verdict
+    assert v.pass_id in new_ids[:slot].tolist()      # the word appears in the reason, before the slot
+    sc = Scorer(model, rf, field_order=REASON_FIRST, buckets=BUCKETS, batch_size=4, max_new_tokens=48,
+                progress=False)
+    (r,) = sc.score([s], forced_ids=[new_ids.tolist()])
+    assert r.slot_found and r.slot_index == slot and new_ids[slot] == v.fail_id
+    assert r.status == "ok" and r.verdict == "fail" and r.reason == s.label.reason
+    logits = hf_last_logits(hf, cfg, full.input_ids, full.pixel_values, full.image_grid_thw)
+    ref = softmax(logits[full.verdict_pos - 1][[v.pass_id, v.fail_id]])[0]
+    assert abs(r.p_pass - ref) < 1e-5
+    # p_pass() decodes from the assistant start; a random judge never writes '"l3": "' within a
+    # few tokens, so there is no slot -- and no fallback to a "pass" found elsewhere.
+    sc_short = Scorer(model, rf, field_order=REASON_FIRST, buckets=BUCKETS, batch_size=4, max_new_tokens=4,
+                      progress=False)
+    (q,) = sc_short.p_pass([s])
+    assert not q.slot_found and math.isnan(q.p_pass)
+
+
+def test_sharded_equals_unsharded(judge, renderer, samples, scorer, devices8):
+    from rm_jax.sharding import MeshShape, make_mesh
+    _, _, _, path = judge
+    mesh = make_mesh(MeshShape(data=4, fsdp=2), devices=devices8, num_experts=8, global_batch=8)
+    model, _ = load_hf(path, mesh=mesh)
+    sharded = Scorer(model, renderer, buckets=BUCKETS, batch_size=8, max_new_tokens=48, mesh=mesh, progress=False)
+    ref = scorer.p_pass(samples)
+    got = sharded.p_pass(samples)
+    np.testing.assert_allclose([g.p_pass for g in got], [r.p_pass for r in ref], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="not divisible"):
+        Scorer(model, renderer, buckets=BUCKETS, batch_size=6, mesh=mesh)
