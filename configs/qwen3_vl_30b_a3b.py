@@ -34,11 +34,11 @@ def model_config() -> ml_collections.ConfigDict:
             num_experts=128,
             num_experts_per_tok=8,
             decoder_sparse_step=1,
-            mlp_only_layers=[],
+            mlp_only_layers=(),
             norm_topk_prob=True,
             rms_norm_eps=1e-6,
             rope_parameters=dict(rope_type="default", rope_theta=5000000.0,
-                                 mrope_section=[24, 20, 20], mrope_interleaved=True),
+                                 mrope_section=(24, 20, 20), mrope_interleaved=True),
             tie_word_embeddings=False,
             max_position_embeddings=262144,
         ),
@@ -53,7 +53,7 @@ def model_config() -> ml_collections.ConfigDict:
             temporal_patch_size=2,
             out_hidden_size=2048,
             num_position_embeddings=2304,
-            deepstack_visual_indexes=[8, 16, 24],
+            deepstack_visual_indexes=(8, 16, 24),
         ),
     ))
 
@@ -66,7 +66,7 @@ def get_config() -> ml_collections.ConfigDict:
     # The field report's v3 recipe: lr 5e-6, global batch 32, max length 8192, 2 epochs,
     # failures x3 in train only; bf16 compute over fp32 master weights, full remat.
     cfg.data.max_len = 8192
-    cfg.data.buckets = [2048, 4096, 6144, 8192]
+    cfg.data.buckets = (2048, 4096, 6144, 8192)
     cfg.data.image.max_pixels = 1024 * 32 * 32      # 1024 merged tokens per image (policy budget)
     cfg.data.image.min_pixels = 256 * 32 * 32
     cfg.train.update(dict(lr=5e-6, global_batch=32, grad_accum=1, epochs=2.0, warmup_steps=50,

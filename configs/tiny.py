@@ -34,10 +34,10 @@ def model_config() -> ml_collections.ConfigDict:
             num_experts=8,
             num_experts_per_tok=2,
             decoder_sparse_step=1,
-            mlp_only_layers=[],
+            mlp_only_layers=(),
             rms_norm_eps=1e-6,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                 mrope_section=[4, 2, 2], mrope_interleaved=True),
+                                 mrope_section=(4, 2, 2), mrope_interleaved=True),
             tie_word_embeddings=False,
             max_position_embeddings=8192,
         ),
@@ -52,7 +52,7 @@ def model_config() -> ml_collections.ConfigDict:
             temporal_patch_size=2,
             out_hidden_size=64,
             num_position_embeddings=64,
-            deepstack_visual_indexes=[0, 1],
+            deepstack_visual_indexes=(0, 1),
         ),
     ))
 
@@ -62,8 +62,8 @@ def data_config() -> ml_collections.ConfigDict:
         dir="",                      # built shards (launch.build_data --out)
         tokenizer="",                # tokenizer dir; default: <input folder>/tokenizer
         max_len=1024,                # text + image tokens; longer samples are rejected as too_long
-        buckets=[512, 768, 1024],  # padded lengths: static shapes, few compiles
-        field_order=["l3", "reason", "issues", "img"],  # verdict first; reason-first is ablation only
+        buckets=(512, 768, 1024),  # padded lengths: static shapes, few compiles
+        field_order=("l3", "reason", "issues", "img"),  # verdict first; reason-first is ablation only
         oversample_fail=3,           # failures repeated x3 in the training split only
         heldout_fraction=0.15,       # by prompt_id
         split_seed=0,

@@ -19,6 +19,8 @@ from rm_jax.model.decode import SLOT_PATTERN, DecodeSpec, Decoder, _kmp_step
 
 VSTART, VEND, IMAGE = 3, 4, 5
 T, STEPS = 72, 6
+# One spec for every test: generate compiles once per spec (EOS 1 is never greedy-picked here).
+SPEC = DecodeSpec(max_new_tokens=STEPS, eos_id=1, pad_id=0, pass_ids=(7,), fail_ids=(8, 10))
 
 
 def small_cfg() -> ModelConfig:
@@ -86,9 +88,9 @@ def test_cached_steps_equal_full_forward(setup):
     np.testing.assert_array_equal(np.asarray(cache.length_b), lengths + STEPS)
 
     # The whole-loop generate (prefill + while_loop in one jit) produces the same greedy tokens.
-    spec = DecodeSpec(max_new_tokens=STEPS, eos_id=-1, pad_id=0, pass_ids=(7,), fail_ids=(8,))
     table = np.zeros((len(SLOT_PATTERN) + 1, cfg.text.vocab_size), np.int32)
-    gen = dec.generate(inputs, spec, table, np.zeros(3, np.int32))
+    gen = dec.generate(inputs, SPEC, table, np.zeros(3, np.int32))
+    assert SPEC.eos_id not in np.stack(generated).tolist()
     np.testing.assert_array_equal(np.asarray(gen.tokens_bn), np.stack(generated, 1))
     assert np.asarray(gen.n_tokens_b).tolist() == [STEPS] * 3
     assert not np.asarray(gen.slot_found_b).any()
@@ -109,14 +111,13 @@ def test_eos_stops_rows_and_forcing(setup):
     """A row that emits EOS stops (pad afterwards); forced tokens are fed verbatim."""
     model, cfg, dec, (ids, mask, pixels, grids, _) = setup
     inputs = prepare_inputs(cfg, ids, mask, pixels, grids, attention="lengths")
-    eos = 9
-    spec = DecodeSpec(max_new_tokens=5, eos_id=eos, pad_id=0, pass_ids=(7,), fail_ids=(8,))
+    eos, spec = SPEC.eos_id, SPEC
     table = np.zeros((len(SLOT_PATTERN) + 1, cfg.text.vocab_size), np.int32)
     force = np.array([[11, eos, 0], [12, 13, 14], [0, 0, 0]], np.int32)
     gen = dec.generate(inputs, spec, table, np.zeros(3, np.int32), force, np.array([2, 3, 0]))
     toks = np.asarray(gen.tokens_bn)
-    assert toks[0].tolist() == [11, eos, 0, 0, 0] and int(gen.n_tokens_b[0]) == 2 and bool(gen.finished_b[0])
-    assert toks[1, :3].tolist() == [12, 13, 14] and int(gen.n_tokens_b[1]) == 5
+    assert toks[0].tolist() == [11, eos, 0, 0, 0, 0] and int(gen.n_tokens_b[0]) == 2 and bool(gen.finished_b[0])
+    assert toks[1, :3].tolist() == [12, 13, 14] and int(gen.n_tokens_b[1]) == STEPS
 
 
 def test_kmp_step():
@@ -126,3 +127,30 @@ def test_kmp_step():
     assert _kmp_step(p, 7, '"') == 1
     assert _kmp_step(p, 3, 'x') == 0
     assert _kmp_step(p, 1, '"') == 1
+
+
+def test_slot_automaton_hit_forces_verdict_and_stops(setup):
+    """Token 30 "completes" the slot text (table column set to the final state): the logits after
+    it are the slot logits, the verdict is forced next, and stop_at_slot ends the loop there."""
+    model, cfg, dec, (ids, mask, pixels, grids, lengths) = setup
+    inputs = prepare_inputs(cfg, ids, mask, pixels, grids, attention="lengths")
+    full = len(SLOT_PATTERN)
+    table = np.zeros((full + 1, cfg.text.vocab_size), np.int32)
+    table[:, 30] = full
+    spec = SPEC
+    force = np.array([[21, 30], [30, 0], [22, 23]], np.int32)
+    args = (inputs, spec, table, np.zeros(3, np.int32), force, np.array([2, 1, 2]))
+    gen = jax.device_get(dec.generate(*args))
+    assert gen.slot_found_b.tolist() == [True, True, False]
+    assert gen.slot_step_b.tolist() == [2, 1, -1]
+    for row in (0, 1):
+        s = int(gen.slot_step_b[row])
+        verdict = [7] if gen.logit_pass_b[row] >= gen.logit_fail_b[row] else [8, 10]
+        assert gen.tokens_bn[row, s:s + len(verdict)].tolist() == verdict
+    # The slot logits are the step logits after feeding the forced prefix (row 1: one step).
+    _, cache = dec.prefill(inputs, T + STEPS)
+    logits, _ = dec.step(cache, np.array([21, 30, 22], np.int32))
+    np.testing.assert_allclose(gen.logit_pass_b[1], np.asarray(logits)[1, 7], rtol=0, atol=1e-5)
+    stopped = jax.device_get(dec.generate(*args, live_b=np.array([True, True, False]), stop_at_slot=True))
+    # The loop ends once every live row has its slot (row 0, step 2); row 1 went on meanwhile.
+    assert stopped.n_tokens_b.tolist() == [2, 2, 0] and stopped.slot_found_b.tolist() == [True, True, False]

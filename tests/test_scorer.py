@@ -24,11 +24,18 @@ REASON_FIRST = ("reason", "issues", "img", "l3")
 BUCKETS = (512, 768, 1024)
 
 
+def hf_dict(x):
+    """ml_collections tuples -> the lists transformers' strict config dataclasses require."""
+    if isinstance(x, dict):
+        return {k: hf_dict(v) for k, v in x.items()}
+    return [hf_dict(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
 @pytest.fixture(scope="module")
 def judge(tmp_path_factory, renderer):
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
     from configs.tiny import model_config
-    d = model_config().to_dict()
+    d = hf_dict(model_config().to_dict())
     d["text_config"]["vocab_size"] = len(renderer.tokenizer)
     torch.manual_seed(0)
     hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**d)).eval().float()
@@ -129,11 +136,9 @@ def test_reason_first_slot_is_the_l3_value(judge, renderer, samples):
     logits = hf_last_logits(hf, cfg, full.input_ids, full.pixel_values, full.image_grid_thw)
     ref = softmax(logits[full.verdict_pos - 1][[v.pass_id, v.fail_id]])[0]
     assert abs(r.p_pass - ref) < 1e-5
-    # p_pass() decodes from the assistant start; a random judge never writes '"l3": "' within a
-    # few tokens, so there is no slot -- and no fallback to a "pass" found elsewhere.
-    sc_short = Scorer(model, rf, field_order=REASON_FIRST, buckets=BUCKETS, batch_size=4, max_new_tokens=4,
-                      progress=False)
-    (q,) = sc_short.p_pass([s])
+    # p_pass() decodes from the assistant start; this random judge never writes '"l3": "' within
+    # the budget, so there is no slot -- and no fallback to a "pass" found elsewhere.
+    (q,) = sc.p_pass([s])
     assert not q.slot_found and math.isnan(q.p_pass)
 
 
@@ -148,3 +153,44 @@ def test_sharded_equals_unsharded(judge, renderer, samples, scorer, devices8):
     np.testing.assert_allclose([g.p_pass for g in got], [r.p_pass for r in ref], rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="not divisible"):
         Scorer(model, renderer, buckets=BUCKETS, batch_size=6, mesh=mesh)
+
+
+def test_load_judge_from_training_checkpoint(judge, renderer, tiny_cfg, tmp_path):
+    """A TrainState checkpoint as the trainer writes it -> only the params come back, sharded;
+    step None picks the sweep's chosen step, else the latest."""
+    import json
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rm_jax.score.checkpoints import load_judge
+    from rm_jax.train.checkpoint import CheckpointOptions, Checkpointer
+    from rm_jax.train.step import TrainState
+    _, model, _, _ = judge
+    params = nnx.state(model, nnx.Param)
+    cfg = tiny_cfg.copy_and_resolve_references()
+    cfg.model.text_config.vocab_size = len(renderer.tokenizer)
+    (tmp_path / "manifest.json").write_text(json.dumps({"config": cfg.to_dict()}))
+    ck = Checkpointer(str(tmp_path / "checkpoints"), CheckpointOptions(async_save=False))
+    for step in (10, 20):
+        bumped = jax.tree.map(lambda x: x + step, params)
+        opt_state = {"mu": jax.tree.map(jnp.zeros_like, params)}   # must not be needed to load
+        ck.save(step, TrainState(step=jnp.asarray(step), params=bumped, opt_state=opt_state), {"pos": step})
+    ck.close()
+
+    def check(loaded, step):
+        ref = jax.tree.leaves(params)
+        got = jax.tree.leaves(nnx.state(loaded, nnx.Param))
+        assert len(ref) == len(got)
+        assert all(np.array_equal(np.asarray(a) + step, np.asarray(b)) for a, b in zip(ref, got))
+
+    loaded, mcfg, step = load_judge(str(tmp_path))
+    assert step == 20 and loaded.mesh is not None and mcfg.text.vocab_size == len(renderer.tokenizer)
+    check(loaded, 20)
+    (tmp_path / "sweep.json").write_text(json.dumps({"chosen": {"step": 10}}))
+    loaded, _, step = load_judge(str(tmp_path))
+    assert step == 10
+    check(loaded, 10)
+    with pytest.raises(ValueError, match="step 30 not found"):
+        load_judge(str(tmp_path), step=30)

@@ -26,7 +26,7 @@ OVERRIDES = dict(global_batch=8, steps=6, checkpoint_every=2, eval_every=3, eval
 # A shallower judge keeps compile time (most of these tests' cost) down; depth is not what
 # these tests are about (the scanned stacks are covered by the model tests).
 SMALL_MODEL = {"model.text_config.num_hidden_layers": 2, "model.vision_config.depth": 1,
-               "model.vision_config.deepstack_visual_indexes": "[0]"}
+               "model.vision_config.deepstack_visual_indexes": "(0,)"}
 
 
 def _cfg(tiny_cfg, shards, **over):
@@ -35,7 +35,7 @@ def _cfg(tiny_cfg, shards, **over):
     cfg.train.update({**OVERRIDES, **over})
     cfg.model.text_config.num_hidden_layers = 2
     cfg.model.vision_config.depth = 1
-    cfg.model.vision_config.deepstack_visual_indexes = [0]
+    cfg.model.vision_config.deepstack_visual_indexes = (0,)
     return cfg
 
 
