@@ -43,8 +43,10 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_vocab", "tensor"),
     # tokens routed inside an MoE layer (flattened batch*length)
     ("tokens", ("data", "fsdp", "expert")),
-    # weights
-    ("embed", "fsdp"),
+    # weights. `embed` is ZeRO-3 sharded over every data-like axis: the `expert` axis carries
+    # batch outside MoE layers, so non-expert weights shard over it too (expert weights use it
+    # for `exp` first, and a mesh axis is never used twice in one spec).
+    ("embed", ("fsdp", "expert")),
     ("mlp", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -53,8 +55,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("vocab", "tensor"),
     ("exp", "expert"),
     ("norm", None),
-    # vision tower: small relative to the decoder, kept replicated over model axes
-    ("vis_embed", None),
+    # vision tower (~0.5B params at 30B-A3B): FSDP-sharded like the decoder
+    ("vis_embed", "fsdp"),
     ("vis_mlp", "tensor"),
     ("vis_heads", "tensor"),
     ("patch", None),

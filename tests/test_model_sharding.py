@@ -49,10 +49,14 @@ def test_sharded_equals_unsharded(setup, devices8, shape, backend):
     model, _ = load_hf(path, mesh=mesh, runtime=RuntimeOptions(moe_backend=backend))
     experts = model.decoder[-1].layers.mlp.wi_gate_edf[...]
     embed = model.embed_vd[...]
+    def axes(spec):
+        return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+
     if shape.expert > 1:
         assert experts.sharding.spec[1] == "expert", experts.sharding
+        assert "expert" in axes(embed.sharding.spec), embed.sharding   # ZeRO over the expert axis too
     if shape.fsdp > 1:
-        assert "fsdp" in tuple(embed.sharding.spec), embed.sharding
+        assert "fsdp" in axes(embed.sharding.spec), embed.sharding
     out = model(*batch)
     assert out.shape == ref.shape
     np.testing.assert_allclose(np.asarray(out), ref, rtol=0, atol=2e-5 * max(1.0, np.abs(ref).max()))

@@ -66,8 +66,7 @@ def test_sharded_step_equals_single_device(tiny_cfg, built_shards):
         cfg.moe.backend = backend
         mesh = loop.make_mesh(mesh_shape, devices=devices, num_experts=8, global_batch=8)
         plan = loop.RunPlan(total_steps=2, micro_batch=8, accumulation=1, steps_per_epoch=10.0)
-        with jax.set_mesh(mesh):
-            model, mcfg = loop.build_model(cfg, mesh)
+        model, mcfg = loop.build_model(cfg, mesh)
         ocfg = optim.OptimConfig(lr=1e-3, warmup_steps=1, total_steps=2)
         builder = StepBuilder(model, optim.make_optimizer(ocfg, model),
                               StepConfig(LossConfig(96, 512), lb_coef=0.01), mesh, optim.schedule(ocfg))

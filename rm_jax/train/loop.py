@@ -63,7 +63,10 @@ def model_config(cfg) -> ModelConfig:
 
 
 def build_model(cfg, mesh):
-    """Random init (embedded default) or an HF checkpoint, placed on the mesh."""
+    """Random init (embedded default) or an HF checkpoint, placed on the mesh.
+
+    Call it outside `jax.set_mesh`: parameters are created unsharded and then placed by their
+    logical names through rm_jax.sharding's rules (which never map one mesh axis twice)."""
     from rm_jax.model import hf
     mcfg = model_config(cfg)
     if cfg.train.init_from:
@@ -89,8 +92,11 @@ class HostBatch:
 
 def assemble(mcfg: ModelConfig, micro: list[dict]) -> HostBatch:
     """Loader batches (numpy) -> one StepBatch with a leading accumulation axis."""
+    # The loader right-pads, so attention takes per-row key lengths (cuDNN flash on GPU) instead
+    # of a [B, T, T] mask; an all-padding row gets length 1 so its softmax stays finite.
     prepared = [judge_lib.prepare_inputs(mcfg, b["input_ids"], b["attention_mask"], b["pixel_values"],
-                                         b["image_grid_thw"]) for b in micro]
+                                         b["image_grid_thw"], attention="lengths") for b in micro]
+    prepared = [p.replace(kv_lengths_b=np.maximum(p.kv_lengths_b, 1)) for p in prepared]
     inputs = jax.tree.map(lambda *xs: np.stack(xs), *prepared)
     valid = [b["example_valid"].astype(bool) for b in micro]
     return HostBatch(StepBatch(inputs=inputs, target_mask=np.stack([b["target_mask"] for b in micro])),
@@ -143,8 +149,7 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     mesh = make_mesh(cfg.mesh, num_experts=int(cfg.model.text_config.num_experts), global_batch=plan.micro_batch)
     logging.info("%s; mesh %s; plan %s", cluster_line, dict(mesh.shape), plan)
 
-    with jax.set_mesh(mesh):
-        model, mcfg = build_model(cfg, mesh)
+    model, mcfg = build_model(cfg, mesh)
     ocfg = dataclasses.replace(optim.OptimConfig.from_config(t), total_steps=plan.total_steps)
     step_cfg = StepConfig(loss=LossConfig(int(t.max_target_tokens), int(t.vocab_chunk)),
                           lb_coef=float(cfg.moe.lb_coef), z_coef=float(cfg.moe.z_coef))

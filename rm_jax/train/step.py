@@ -64,16 +64,22 @@ class StepBuilder:
 
     # -- state --------------------------------------------------------------------------------
 
-    def init_state(self) -> TrainState:
-        with jax.set_mesh(self.mesh):
-            opt_state = jax.jit(self.optimizer.init)(self._params)
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=self._params, opt_state=opt_state)
-        # Scalars (step, Adam's count) must live on the mesh too, replicated, like every input of
-        # the jitted step; jnp creates them on one device.
+    def opt_state_shardings(self, params):
+        """Adam's mu/nu take their parameter's sharding; scalars (count) are replicated.
+        (`optimizer.init` under jit alone would replicate mu/nu: zeros_like carries no sharding.)"""
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        mesh_devices = set(self.mesh.devices.flat)
-        return jax.tree.map(lambda x: x if set(x.sharding.device_set) == mesh_devices
-                            else jax.device_put(x, replicated), state)
+        abstract = jax.eval_shape(self.optimizer.init, params)
+        param_sh = jax.tree.map(lambda x: x.sharding, params)
+        return optax.tree_map_params(self.optimizer, lambda _, s: s, abstract, param_sh,
+                                     transform_non_params=lambda _: replicated)
+
+    def init_state(self) -> TrainState:
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        with jax.set_mesh(self.mesh):
+            opt_state = jax.jit(self.optimizer.init,
+                                out_shardings=self.opt_state_shardings(self._params))(self._params)
+            step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+        return TrainState(step=step, params=self._params, opt_state=opt_state)
 
     def state_shardings(self, state: TrainState):
         return jax.tree.map(lambda x: x.sharding, state)
@@ -112,18 +118,30 @@ class StepBuilder:
             acc_g = jax.tree.map(jnp.add, acc_g, g) if with_grad else acc_g
             return (acc_g, acc), None
 
-        zeros_g = jax.tree.map(jnp.zeros_like, params) if with_grad else None
         n_exp = self._n_experts()
+        if n_micro == 1:
+            # No scan: a second (accumulator) gradient tree would double gradient memory.
+            inputs, mask = jax.tree.map(lambda x: x[0], (batch.inputs, batch.target_mask))
+            if with_grad:
+                (_, extras), grads = grad_fn(params, rest, inputs, mask, n_total, 1)
+            else:
+                _, extras = self._micro_loss(params, rest, inputs, mask, n_total, 1)
+                grads = None
+            return grads, self._metrics(*extras, n_micro=1, n_exp=n_exp)
+        zeros_g = jax.tree.map(jnp.zeros_like, params) if with_grad else None
         zeros = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros((n_exp,)))
-        (grads, (ce_sum, n_tok, lb, z, counts)), _ = jax.lax.scan(body, (zeros_g, zeros),
-                                                                  (batch.inputs, batch.target_mask))
+        (grads, extras), _ = jax.lax.scan(body, (zeros_g, zeros), (batch.inputs, batch.target_mask))
+        return grads, self._metrics(*extras, n_micro=n_micro, n_exp=n_exp)
+
+    @staticmethod
+    def _metrics(ce_sum, n_tok, lb, z, counts, *, n_micro: int, n_exp: int) -> dict:
         metrics = {"loss": ce_sum / jnp.maximum(n_tok, 1.0), "target_tokens": n_tok,
                    "lb_loss": lb / n_micro, "z_loss": z / n_micro}
         if n_exp > 1:
             load = counts / jnp.maximum(jnp.sum(counts), 1.0)
             metrics["expert_load_max"] = jnp.max(load)
             metrics["expert_imbalance"] = jnp.max(counts) / jnp.maximum(jnp.mean(counts), 1e-9)
-        return grads, metrics
+        return metrics
 
     def _n_experts(self) -> int:
         t = nnx.merge(self.graphdef, self._params, self.rest).cfg.text
@@ -182,7 +200,7 @@ def batch_shardings(batch: StepBatch, mesh) -> StepBatch:
     return StepBatch(
         inputs=JudgeInputs(input_ids_bt=spec(inp.input_ids_bt, 1), attention_mask_bt=spec(inp.attention_mask_bt, 1),
                            positions_3bt=spec(inp.positions_3bt, 2),
-                           image_index_bt=spec(inp.image_index_bt, 1),
+                           image_index_bt=spec(inp.image_index_bt, 1), kv_lengths_b=spec(inp.kv_lengths_b, 1),
                            vision=None if inp.vision is None else jax.tree.map(lambda _: replicated, inp.vision)),
         target_mask=spec(batch.target_mask, 1))
 
