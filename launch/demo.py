@@ -1,10 +1,10 @@
 """The whole pipeline on the embedded default, one command: `make demo`.
 
-  python -m launch.demo [--workdir=runs/demo] [--n=2000] [--seed=0]
+  python -m launch.demo [--workdir=runs/demo] [--n=2000] [--seed=0] [--train_steps=0]
 
-Each stage runs through its own CLI (exactly what a user would type), timed. Stages that exist
-today: synth -> build_data -> loader check. Later stages (train, sweep, score) join as they land.
-Writes WORKDIR/report.json and WORKDIR/report.md.
+Each stage runs through its own CLI (exactly what a user would type), timed:
+synth -> build_data -> train -> sweep -> score. Writes WORKDIR/report.json (with a `chosen`
+object: the step and the judge_metrics keys), WORKDIR/report.md and the sweep's plots.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "where everything is writ
 _N = flags.DEFINE_integer("n", 2000, "synthetic samples")
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
 _CONFIG = flags.DEFINE_string("config", "configs/tiny.py", "config file for every stage")
+_TRAIN_STEPS = flags.DEFINE_integer("train_steps", 0, "override train.steps (0 = the config's epochs)")
+_SCORE_N = flags.DEFINE_integer("score_n", 64, "rows of the input scored by the score stage")
 
 
 def _run(stage: str, args: list[str], timings: dict) -> None:
@@ -58,7 +60,7 @@ def main(argv):
     del argv
     work = _WORKDIR.value
     os.makedirs(work, exist_ok=True)
-    data, shards = os.path.join(work, "data"), os.path.join(work, "shards")
+    data, shards, run = (os.path.join(work, d) for d in ("data", "shards", "train"))
     timings: dict[str, float] = {}
     t0 = time.time()
     _run("synth", [f"--out={data}", f"--n={_N.value}", f"--seed={_SEED.value}"], timings)
@@ -66,22 +68,62 @@ def main(argv):
     with open(os.path.join(shards, "stats.json")) as f:
         stats = json.load(f)
     loader_info = _loader_check(shards, timings)
+    train_args = [f"--config={_CONFIG.value}", f"--workdir={run}", f"--config.data.dir={shards}"]
+    if _TRAIN_STEPS.value:
+        train_args.append(f"--config.train.steps={_TRAIN_STEPS.value}")
+    _run("train", train_args, timings)
+    _run("sweep", [f"--workdir={run}", f"--data={shards}"], timings)
+    score_in = os.path.join(data, "score_input.jsonl")   # beside samples.jsonl: image paths stay valid
+    with open(f"{data}/samples.jsonl") as src, open(score_in, "w") as dst:
+        for i, line in enumerate(src):
+            if i >= _SCORE_N.value:
+                break
+            dst.write(line)
+    _run("score", [f"--workdir={run}", f"--input={score_in}", f"--out={work}/scores.jsonl"], timings)
     timings["total"] = round(time.time() - t0, 2)
-    report = {"workdir": work, "stages": list(timings), "wall_seconds": timings, "build_stats": stats,
-              "loader": loader_info, "pending_stages": ["train", "sweep", "score"]}
+    with open(os.path.join(run, "sweep.json")) as f:
+        sweep = json.load(f)
+    with open(os.path.join(work, "scores.jsonl")) as f:
+        scores = [json.loads(line) for line in f]
+    write_report(work, timings, stats, loader_info, sweep, scores)
+    print(f"\nreport: {work}/report.md")
+
+
+def write_report(work, timings, stats, loader_info, sweep, scores) -> None:
+    from rm_jax.eval.metrics import METRIC_KEYS
+    chosen = {"step": sweep["chosen"]["step"], **{k: sweep["chosen"][k] for k in METRIC_KEYS}}
+    scored = [s for s in scores if "error" not in s]
+    report = {"workdir": work, "wall_seconds": timings, "chosen": chosen,
+              "chosen_reason": sweep["chosen"]["reason"], "sweep_rows": sweep["rows"],
+              "reward_validation": sweep["reward_validation"], "shortcut_baseline": sweep["shortcut_baseline"],
+              "build_stats": stats, "loader": loader_info, "plots": sweep["plots"],
+              "score": {"rows": len(scores), "scored": len(scored), "errors": len(scores) - len(scored)}}
     with open(os.path.join(work, "report.json"), "w") as f:
         json.dump(report, f, indent=2, default=list)
-    lines = ["# rm_jax demo report", "", "| stage | seconds |", "|---|---|"]
+    with open(os.path.join(sweep["workdir"], "sweep.md")) as f:
+        sweep_md = f.read()
+    goal_auc = chosen["auc"] is not None and chosen["auc"] >= 0.85
+    goal_mz = 0.05 <= chosen["middle_zone"] <= 0.40
+    lines = ["# rm_jax demo report", "",
+             f"Chosen checkpoint: step {chosen['step']} — AUC {_num(chosen['auc'])} (goal >= 0.85: "
+             f"{'met' if goal_auc else 'not met'}), middle zone {chosen['middle_zone']:.1%} (goal 5-40%: "
+             f"{'met' if goal_mz else 'not met'}), accuracy {chosen['accuracy']:.1%} vs majority "
+             f"{chosen['majority_baseline']:.1%}, fail F1 {chosen['fail_f1']:.1%}, img corr {_num(chosen['img_corr'])}.",
+             f"Shortcut baseline (length/format features only) AUC: {_num(sweep['shortcut_baseline'].get('auc'))}.",
+             "", "## Wall time by stage", "", "| stage | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in timings.items()]
-    lines += ["", f"Build: read {stats['read']}, kept {stats['kept']}, rejected {stats['rejected']} "
-              f"{stats['rejected_by_reason']}.",
-              f"Splits: {stats['splits']}.", f"Oversampling: {stats['oversampling']}.",
-              f"Loader: {loader_info['samples']} samples in {loader_info['batches']} batches, "
-              f"fail share in the training stream {loader_info['fail_share_in_stream']:.1%}.",
-              "", "Not yet part of the demo: train, sweep, score (their issues are open)."]
+    lines += ["", "## Data", "",
+              f"Build: read {stats['read']}, kept {stats['kept']}, rejected {stats['rejected']} "
+              f"{stats['rejected_by_reason']}. Splits: {stats['splits']}. Oversampling: {stats['oversampling']}.",
+              f"Loader check: fail share in the training stream {loader_info['fail_share_in_stream']:.1%}.",
+              "", f"Score stage: {report['score']['scored']} rows scored, {report['score']['errors']} errors.",
+              "", sweep_md.replace("# Checkpoint sweep", "## Checkpoint sweep")]
     with open(os.path.join(work, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print(f"\nreport: {work}/report.md")
+
+
+def _num(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ definition as a static argument and the params as arrays, like the train step):
 * ``slot_logits(inputs, pass_id, fail_id)``: the P(pass)-only path (no cache at all).
 * ``generate(inputs, spec, ...) -> Generation``: prefill + a ``lax.while_loop`` of decode steps
   in ONE jitted call (no host round trip per token), bounded by ``spec.max_new_tokens`` and
-  leaving the loop early once every row has emitted EOS (or found its verdict slot, in
-  ``stop_at_slot`` mode).
+  leaving the loop early once every row has emitted EOS (or read its verdict slot, with
+  ``stop_at_slot``).
 
 Design choices:
 
@@ -94,7 +94,6 @@ class DecodeSpec:
     pad_id: int
     pass_ids: tuple[int, ...]
     fail_ids: tuple[int, ...]
-    stop_at_slot: bool = False  # leave the loop once every row has its slot (P(pass) only)
 
     @property
     def verdict_width(self) -> int:
@@ -257,8 +256,11 @@ def _check_slot(g: _Loop, logits_bv: jax.Array, spec: DecodeSpec, full_state: in
 
 
 def generate_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, table_sv: jax.Array, match0_b: jax.Array,
-                force_bf: jax.Array, force_len_b: jax.Array, live_b: jax.Array, spec: DecodeSpec) -> Generation:
-    """Prefill, then greedy decoding with slot detection and forcing, in one traced function."""
+                force_bf: jax.Array, force_len_b: jax.Array, live_b: jax.Array, stop_at_slot: jax.Array,
+                spec: DecodeSpec) -> Generation:
+    """Prefill, then greedy decoding with slot detection and forcing, in one traced function.
+    ``stop_at_slot`` (a traced bool, so P(pass)-only and full decoding share one compile) ends
+    the loop once every live row has its slot."""
     b = inputs.input_ids_bt.shape[0]
     n = spec.max_new_tokens
     full_state = table_sv.shape[0] - 1
@@ -272,8 +274,7 @@ def generate_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, table_sv: jax.Array
     g = _check_slot(g, logits_bv, spec, full_state)
 
     def active(g):
-        live_b = ~g.done_b
-        return live_b & ~g.slot_b if spec.stop_at_slot else live_b
+        return ~g.done_b & ~(g.slot_b & stop_at_slot)
 
     def cond(carry):
         g, _, _ = carry
@@ -321,9 +322,10 @@ def _jit_step(graphdef, state, cache, token_b):
     return step_fn(nnx.merge(graphdef, state), cache, token_b)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 8))
-def _jit_generate(graphdef, state, inputs, table_sv, match0_b, force_bf, force_len_b, live_b, spec):
-    return generate_fn(nnx.merge(graphdef, state), inputs, table_sv, match0_b, force_bf, force_len_b, live_b, spec)
+@functools.partial(jax.jit, static_argnums=(0, 9))
+def _jit_generate(graphdef, state, inputs, table_sv, match0_b, force_bf, force_len_b, live_b, stop_at_slot, spec):
+    return generate_fn(nnx.merge(graphdef, state), inputs, table_sv, match0_b, force_bf, force_len_b, live_b,
+                       stop_at_slot, spec)
 
 
 class Decoder:
@@ -351,20 +353,23 @@ class Decoder:
         return self._run(_jit_step, cache, jnp.asarray(token_b, jnp.int32))
 
     def generate(self, inputs: JudgeInputs, spec: DecodeSpec, table_sv, match0_b, force_bf=None,
-                 force_len_b=None, live_b=None) -> Generation:
+                 force_len_b=None, live_b=None, stop_at_slot: bool = False) -> Generation:
         """Greedy decoding. ``match0_b``: initial automaton state per row (``len(pattern)`` when the
         prompt ends in the slot prefix). ``force_bf``/``force_len_b``: teacher-forced tokens.
         ``live_b``: False for filler rows of a padded batch (done from the start, so they never
-        keep the loop running)."""
+        keep the loop running). ``stop_at_slot``: leave the loop once every live row has read its
+        slot (P(pass) only)."""
         b = np.asarray(inputs.input_ids_bt).shape[0]
         if force_bf is None:
-            force_bf = np.full((b, spec.verdict_width), spec.pad_id, np.int32)
+            force_bf = np.full((b, 0), spec.pad_id, np.int32)
             force_len_b = np.zeros((b,), np.int32)
         force_bf = np.asarray(force_bf, np.int32)
-        if force_bf.shape[1] < spec.verdict_width:
-            force_bf = np.pad(force_bf, ((0, 0), (0, spec.verdict_width - force_bf.shape[1])),
-                              constant_values=spec.pad_id)
+        # One static width (the token budget) whether or not rows are teacher-forced: one compile.
+        width = max(spec.max_new_tokens, spec.verdict_width)
+        if force_bf.shape[1] > width:
+            raise ValueError(f"{force_bf.shape[1]} forced tokens exceed max_new_tokens={spec.max_new_tokens}")
+        force_bf = np.pad(force_bf, ((0, 0), (0, width - force_bf.shape[1])), constant_values=spec.pad_id)
         live_b = np.ones((b,), bool) if live_b is None else np.asarray(live_b, bool)
         args = (inputs, table_sv, np.asarray(match0_b, np.int32), force_bf, np.asarray(force_len_b, np.int32),
-                live_b)
+                live_b, np.asarray(stop_at_slot, bool))
         return self._run(lambda gd, st, *a: _jit_generate(gd, st, *a, spec), *args)

@@ -74,7 +74,7 @@ class VerdictScore:
 class JudgeResult:
     id: str
     p_pass: float
-    verdict: str | None        # the slot's choice (argmax pass/fail) when found, else the parsed l3
+    verdict: str | None        # the token written at the slot (argmax pass/fail unless forced), else parsed l3
     reason: str | None
     issues: tuple[str, ...]
     img: int | None
@@ -149,10 +149,9 @@ class Scorer:
                 lp, lf, lse = jax.device_get(self.decoder.slot_logits(inputs, self.pass_id, self.fail_id))
                 found = np.ones(len(lp), bool)
             else:
-                spec = dataclasses.replace(self._spec, stop_at_slot=True)
-                gen = jax.device_get(self.decoder.generate(inputs, spec, self._slot_table(),
+                gen = jax.device_get(self.decoder.generate(inputs, self._spec, self._slot_table(),
                                                            np.zeros(self.batch_size, np.int32),
-                                                           live_b=self._live(batch)))
+                                                           live_b=self._live(batch), stop_at_slot=True))
                 lp, lf, lse, found = gen.logit_pass_b, gen.logit_fail_b, gen.logsumexp_b, gen.slot_found_b
             for row, it in enumerate(batch):
                 sid = samples[it.index].id
@@ -181,8 +180,7 @@ class Scorer:
             force_bf = force_len_b = None
             if forced_ids is not None:
                 rows = [list(forced_ids[it.index]) for it in batch]
-                width = max(1, max(len(r) for r in rows))
-                force_bf = np.full((self.batch_size, width), self.pad_id, np.int32)
+                force_bf = np.full((self.batch_size, max(len(r) for r in rows)), self.pad_id, np.int32)
                 force_len_b = np.zeros(self.batch_size, np.int32)
                 for r, ids in enumerate(rows):
                     force_bf[r, :len(ids)], force_len_b[r] = ids, len(ids)
@@ -200,7 +198,10 @@ class Scorer:
                 found = bool(gen.slot_found_b[row])
                 if found:
                     p, off = _probabilities(gen.logit_pass_b[row], gen.logit_fail_b[row], gen.logsumexp_b[row])
-                    verdict = "pass" if gen.logit_pass_b[row] >= gen.logit_fail_b[row] else "fail"
+                    # The token written at the slot: the argmax verdict that was forced, or the
+                    # teacher-forced one.
+                    at_slot = int(gen.tokens_bn[row, gen.slot_step_b[row]]) if gen.slot_step_b[row] < n else -1
+                    verdict = {self.pass_id: "pass", self.fail_id: "fail"}.get(at_slot, parsed.l3)
                 else:
                     p, off, verdict = math.nan, math.nan, parsed.l3
                 out[it.index] = JudgeResult(
