@@ -3,7 +3,9 @@
     python -m benchmarks.forward_vs_hf [--batch=4 --seq=256 --iters=5]
 
 Prints tokens/s of each and the ratio, then the MoE layer's achieved FLOP rate as a fraction of a
-dense matmul with the same FLOPs (how much the dropless sort + grouped matmul costs over ideal).
+dense matmul with the same FLOPs (how much the dropless sort + grouped matmul costs over ideal),
+for the default grouped matmul (``ragged_dot="auto"``: tiled on CPU) and for XLA's ragged_dot
+through tokamax.
 The last line is one JSON object. A measurement, not a test: nothing is asserted.
 """
 
@@ -34,6 +36,13 @@ def _timeit(fn, iters):
     return float(sorted(times)[len(times) // 2])
 
 
+def _hf_lists(x):
+    """ml_collections tuples -> the lists transformers' strict config dataclasses require."""
+    if isinstance(x, dict):
+        return {k: _hf_lists(v) for k, v in x.items()}
+    return [_hf_lists(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
 def main(argv):
     del argv
     import jax
@@ -45,10 +54,10 @@ def main(argv):
 
     from configs.tiny import model_config
     from rm_jax.model import load_hf
-    from rm_jax.model.moe import MoeConfig, SparseMoeBlock
+    from rm_jax.model.moe import MoeConfig, SparseMoeBlock, resolve_ragged_dot, tile_sizes
 
     f = flags.FLAGS
-    hf_dict = model_config().to_dict()
+    hf_dict = _hf_lists(model_config().to_dict())
     torch.manual_seed(0)
     hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**hf_dict)).eval()
     tmp = tempfile.mkdtemp()
@@ -82,22 +91,30 @@ def main(argv):
 
     # MoE layer vs a dense matmul of equal FLOPs (router + 3 expert matmuls per routed token).
     tc = cfg.text
-    moe = SparseMoeBlock(MoeConfig(tc.hidden_size, tc.moe_intermediate_size, tc.num_experts,
-                                   tc.num_experts_per_tok), rngs=nnx.Rngs(0))
-    gdef, state = nnx.split(moe)
     x = jnp.asarray(rng.standard_normal((b, t, tc.hidden_size)), jnp.float32)
-    moe_fn = jax.jit(lambda s, x: nnx.merge(gdef, s)(x)[0])
-    moe_s = _timeit(lambda: moe_fn(state, x).block_until_ready(), max(f.iters, 20))
     n_out = tc.num_experts + 3 * tc.num_experts_per_tok * tc.moe_intermediate_size
     flops = 2 * tokens * tc.hidden_size * n_out
     w = jnp.asarray(rng.standard_normal((tc.hidden_size, n_out)), jnp.float32)
     dense_fn = jax.jit(lambda x, w: x.reshape(-1, x.shape[-1]) @ w)
     dense_s = _timeit(lambda: dense_fn(x, w).block_until_ready(), max(f.iters, 20))
-    frac = dense_s / moe_s
-    print(f"MoE layer: {flops / moe_s / 1e9:.2f} GFLOP/s; dense matmul same FLOPs: "
-          f"{flops / dense_s / 1e9:.2f} GFLOP/s; fraction {frac:.3f}")
+    frac = {}
+    for impl in ("auto", "tokamax"):
+        moe = SparseMoeBlock(MoeConfig(tc.hidden_size, tc.moe_intermediate_size, tc.num_experts,
+                                       tc.num_experts_per_tok, ragged_dot=impl), rngs=nnx.Rngs(0))
+        gdef, state = nnx.split(moe)
+        moe_fn = jax.jit(lambda s, x: nnx.merge(gdef, s)(x)[0])
+        moe_s = _timeit(lambda: moe_fn(state, x).block_until_ready(), max(f.iters, 20))
+        frac[impl] = dense_s / moe_s
+        print(f"MoE layer ({impl}={resolve_ragged_dot(impl)}): {moe_s * 1e3:.3f} ms, "
+              f"{flops / moe_s / 1e9:.2f} GFLOP/s; dense matmul same FLOPs: {dense_s * 1e3:.3f} ms, "
+              f"{flops / dense_s / 1e9:.2f} GFLOP/s; fraction {frac[impl]:.3f}")
     print(json.dumps({"bench": "forward_vs_hf", "speedup_vs_hf": round(hf_s / jax_s, 3),
-                      "moe_flop_fraction": round(frac, 3), "rm_jax_tokens_per_s": round(tokens / jax_s, 1),
+                      "moe_flop_fraction": round(frac["auto"], 3),
+                      "moe_flop_fraction_tokamax": round(frac["tokamax"], 3),
+                      "moe_impl": resolve_ragged_dot("auto"),
+                      "tile_rows": list(tile_sizes(tokens * tc.num_experts_per_tok, tc.num_experts)),
+                      "rm_jax_s": round(jax_s, 5), "hf_s": round(hf_s, 5),
+                      "rm_jax_tokens_per_s": round(tokens / jax_s, 1),
                       "hf_tokens_per_s": round(tokens / hf_s, 1), "batch": b, "seq": t, "images": f.images,
                       "platform": jax.devices()[0].platform}))
 

@@ -59,14 +59,16 @@ def _reference(cfg, x_btd, router_de):
     return y, aux, grads
 
 
-@pytest.mark.parametrize("ragged_dot,tile_rows", [
-    ("tokamax", 0), ("lax", 0),
-    # Tiled: the automatic tile (8 rows: every expert in one tile), one row per tile (no padding),
-    # and 2 or 4 rows (groups spanning several tiles, padded tails).
-    ("tiled", 0), ("tiled", 1), ("tiled", 2), ("tiled", 4),
+@pytest.mark.parametrize("ragged_dot,tile_rows,max_tile_rows", [
+    ("tokamax", 0, 0), ("lax", 0, 0),
+    # Tiled: the automatic sizes (one 8-row tile per expert here); 1-row padding with windows of
+    # 1, 2 and 4 rows (the largest fitting the mean group) or of up to 8 (several sizes per
+    # expert, no padding); 2-row padding with one window size (groups spanning several windows).
+    ("tiled", 0, 0), ("tiled", 1, 0), ("tiled", 1, 8), ("tiled", 2, 2),
 ], ids=lambda v: str(v))
-def test_ragged_equals_dense(ragged_dot, tile_rows):
-    cfg = MoeConfig(d_model=H, d_ff=I, num_experts=7, top_k=3, ragged_dot=ragged_dot, tile_rows=tile_rows)
+def test_ragged_equals_dense(ragged_dot, tile_rows, max_tile_rows):
+    cfg = MoeConfig(d_model=H, d_ff=I, num_experts=7, top_k=3, ragged_dot=ragged_dot, tile_rows=tile_rows,
+                    max_tile_rows=max_tile_rows)
     x_btd, router_de = _routed_inputs(cfg.num_experts)
     y_ref, aux_ref, grads_ref = _reference(cfg, x_btd, router_de)
 
@@ -252,3 +254,5 @@ def test_config_validation():
         MoeConfig(d_model=H, d_ff=I, num_experts=7, top_k=3, ragged_dot="megablocks")
     with pytest.raises(ValueError, match="tile_rows"):
         MoeConfig(d_model=H, d_ff=I, num_experts=7, top_k=3, tile_rows=6)
+    with pytest.raises(ValueError, match="max_tile_rows"):
+        MoeConfig(d_model=H, d_ff=I, num_experts=7, top_k=3, max_tile_rows=12)

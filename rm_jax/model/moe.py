@@ -15,12 +15,19 @@ Design choices:
   in fp32 (the parity tests) the two agree bit for bit on the routing.
 * **Dropless sorted grouped matmul ("ragged", the default).** Each token is repeated top_k
   times, the assignments are stably sorted by expert id, and each expert's contiguous group goes
-  through one grouped matmul (``tokamax.ragged_dot``, which picks a Mosaic/Triton kernel on GPU and
-  falls back to XLA's ``ragged_dot`` on CPU; ``jax.lax.ragged_dot`` is selectable). Shapes stay
-  static (``tokens * top_k`` rows whatever the routing) and nothing is dropped: no capacity factor
-  means no token silently loses an expert, so training equals inference equals transformers.
-  On CPU, XLA expands ``ragged_dot`` into a masked dense matmul over all experts (E times the
-  FLOPs; ``benchmarks/moe_flops.py`` measures it): fine for tests, the speed lives on GPU kernels.
+  through one grouped matmul. Shapes stay static (``tokens * top_k`` rows whatever the routing)
+  and nothing is dropped: no capacity factor means no token silently loses an expert, so training
+  equals inference equals transformers. The grouped matmul (``MoeConfig.ragged_dot``) is chosen
+  per platform by default ("auto"): ``tokamax.ragged_dot`` off CPU (a Mosaic/Triton kernel on
+  GPU); on CPU the tiled loop below, because XLA's CPU ``ragged_dot`` (which tokamax falls back
+  to) is a masked dense matmul over all experts, E times the FLOPs. "tokamax", "lax"
+  (``jax.lax.ragged_dot``) and "tiled" can be forced anywhere.
+* **Tiled grouped matmul ("tiled", the CPU default).** Each expert's sorted group is padded to a
+  multiple of ``tile_rows`` and covered by row windows of one expert each (sizes ``tile_rows`` ..
+  ``max_tile_rows``); loops over the windows in use run the expert MLP on ``[rows, H]`` blocks with
+  that expert's weights, under a custom VJP whose backward is the same loops. Exact, dropless,
+  static buffers (``T*k + E*(tile_rows-1)`` rows); the work is the useful work plus under one small
+  tile of padding per expert (``benchmarks/moe_flops.py`` measures it against a dense matmul).
 * **Token-local sorting under a mesh.** A global argsort over batch-sharded tokens would gather
   every token on every device. Under a mesh the ragged computation therefore runs inside
   ``jax.shard_map``: each device sorts only its own tokens. Without expert parallelism the expert
@@ -55,7 +62,7 @@ from absl import flags
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from rm_jax.sharding import LOGICAL_RULES, constrain, logical_to_spec
+from rm_jax.sharding import constrain, logical_to_spec
 
 BACKENDS = ("dense", "ragged", "ep_ring")
 # "auto": "tiled" when JAX's default backend is the CPU, "tokamax" otherwise.
@@ -71,17 +78,21 @@ class MoeConfig:
     norm_topk_prob: bool = True
     backend: str = "ragged"         # "dense" (test oracle only) | "ragged" | "ep_ring"
     # Grouped-matmul implementation: "auto" (CPU -> "tiled", else "tokamax") | "tiled" | "tokamax"
-    # | "lax". tile_rows: rows per tile of "tiled" (a power of two; 0 = chosen from the shapes).
+    # | "lax". "tiled" pads groups to tile_rows and runs windows of up to max_tile_rows rows
+    # (powers of two; 0 = chosen from the shapes, see tile_sizes).
     ragged_dot: str = "auto"
     tile_rows: int = 0
+    max_tile_rows: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"MoeConfig.backend={self.backend!r}; expected one of {BACKENDS}")
         if self.ragged_dot not in RAGGED_DOT_IMPLS:
             raise ValueError(f"MoeConfig.ragged_dot={self.ragged_dot!r}; expected one of {RAGGED_DOT_IMPLS}")
-        if self.tile_rows < 0 or self.tile_rows & (self.tile_rows - 1):
-            raise ValueError(f"MoeConfig.tile_rows={self.tile_rows} must be 0 (auto) or a power of two")
+        for name in ("tile_rows", "max_tile_rows"):
+            v = getattr(self, name)
+            if v < 0 or v & (v - 1):
+                raise ValueError(f"MoeConfig.{name}={v} must be 0 (auto) or a power of two")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"MoeConfig.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
 
@@ -155,7 +166,7 @@ def dense_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd):
 
 
 def sorted_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd, *,
-                   first_expert=0, impl: str = "auto", tile_rows: int = 0):
+                   first_expert=0, impl: str = "auto", tile_rows: int = 0, max_tile_rows: int = 0):
     """Dropless grouped matmul over the experts held here: ids [first_expert, first_expert + E_local).
 
     Assignments to other experts get the sentinel key E_local, so the stable sort puts them after
@@ -165,7 +176,7 @@ def sorted_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd,
     impl = resolve_ragged_dot(impl)
     if impl == "tiled":
         return tiled_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd,
-                             first_expert=first_expert, tile_rows=tile_rows)
+                             first_expert=first_expert, tile_rows=tile_rows, max_tile_rows=max_tile_rows)
     n_tokens, top_k = experts_tk.shape
     n_local = wi_gate_edf.shape[0]
     local_m = experts_tk.reshape(-1) - first_expert
@@ -192,15 +203,17 @@ def sorted_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd,
 # --------------------------------------------------------------------------------------------
 #
 # XLA's CPU ragged_dot multiplies every row by every expert and masks (E times the work). The tiled
-# form pads each expert's sorted group up to a multiple of ``m`` rows, so every m-row tile belongs to
-# exactly one expert, and runs the whole expert MLP tile by tile in a loop: [m, H] @ W[e] on
-# dynamically sliced weights, only over the tiles in use (sum_e ceil(n_e / m), a traced count), so
-# the work is the useful work plus at most m - 1 padding rows per expert. The buffer is static:
-# ceil((T*k + E*(m-1)) / m) tiles whatever the routing. Row movement (dispatch into the padded
-# layout, combine back) is a gather both ways: the backward of each is a gather through the
-# inverse map, never a scatter-add (XLA's CPU scatter is a serial loop). The loop has a custom VJP
-# (a reverse-mode loop with a traced trip count cannot be derived automatically) that reuses the
-# forward's gate/up activations and accumulates weight gradients per expert in fp32.
+# form pads each expert's sorted group up to a multiple of ``m`` rows (the smallest tile) and covers
+# it with row windows that each belong to one expert: as many of the largest size (up to 512 rows)
+# as fit, then at most one of each smaller power-of-two size (the binary digits of the rest). One
+# loop per size runs the whole expert MLP on [size, H] @ W[e] with dynamically sliced weights, over
+# the windows in use only (traced counts), so the work is the useful work plus < m padding rows per
+# expert, and most of it runs as large matmuls (the CPU's matmul is ~1.5x faster at 512 rows than
+# at 128). Buffers are static: T*k + E*(m-1) rows whatever the routing. Row movement (dispatch into
+# the padded layout, combine back) is a gather both ways: the backward of each is a gather through
+# the inverse map, never a scatter-add (XLA's CPU scatter is a serial loop). The loops have a custom
+# VJP (a reverse-mode loop with a traced trip count cannot be derived automatically) that reuses
+# the forward's gate/up activations and accumulates weight gradients per expert in fp32.
 
 def resolve_ragged_dot(impl: str) -> str:
     """``"auto"`` -> ``"tiled"`` on CPU (XLA's CPU ragged_dot does E times the work), else ``"tokamax"``."""
@@ -209,14 +222,18 @@ def resolve_ragged_dot(impl: str) -> str:
     return impl
 
 
-def auto_tile_rows(n_rows: int, n_groups: int) -> int:
-    """Rows per tile: a power of two near a quarter of the mean group, within [8, 256].
+def tile_sizes(n_rows: int, n_groups: int, tile_rows: int = 0, max_tile_rows: int = 0) -> tuple[int, int]:
+    """(smallest, largest) tile rows, powers of two; 0 = chosen from the mean group size g.
 
-    Padding costs on average m/2 rows per expert (about an eighth of the mean group here) and a
-    static worst case of m - 1; smaller tiles run the matmul below the CPU's efficient size.
+    Groups are padded to the smallest tile (about g/16, within [8, 64]: padding costs half a tile
+    per expert on average); the largest (about g, within [smallest, 512]) carries most rows, since
+    the CPU's matmul gets markedly faster up to ~512 rows while the loop step costs ~10-20 us.
     """
-    quarter = max(n_rows // max(n_groups, 1) // 4, 1)
-    return min(max(1 << (quarter.bit_length() - 1), 8), 256)
+    pow2_floor = lambda v: 1 << (max(int(v), 1).bit_length() - 1)
+    mean = max(n_rows // max(n_groups, 1), 1)
+    small = tile_rows or min(max(pow2_floor(mean // 16), 8), 64)
+    large = max_tile_rows or min(max(pow2_floor(mean), small), 512)
+    return small, max(large, small)
 
 
 def _varying_axes(a) -> frozenset:
@@ -245,18 +262,20 @@ def _match_varying(*arrays):
 
 @jax.custom_vjp
 def _dispatch_rows(x_td, row_token_p, pos_tk):
-    """x_pd[p] = x_td[row_token_p[p]] (zero rows where the index is out of range)."""
-    return jnp.take(x_td, row_token_p, axis=0, mode="fill", fill_value=0)
+    """x_pd[p] = x_td[row_token_p[p]]; the index n_tokens (padding rows) gives a zero row."""
+    x_td = jnp.concatenate([x_td, jnp.zeros_like(x_td[:1])])
+    return jnp.take(x_td, row_token_p, axis=0, mode="clip")  # cheaper than mode="fill" on CPU
 
 
 def _dispatch_rows_fwd(x_td, row_token_p, pos_tk):
-    return _dispatch_rows(x_td, row_token_p, pos_tk), (pos_tk, x_td.shape[0])
+    return _dispatch_rows(x_td, row_token_p, pos_tk), pos_tk
 
 
-def _dispatch_rows_bwd(res, dx_pd):
-    pos_tk, n_tokens = res
-    # Every token's k assignments sit at pos_tk[t]: gather them and sum (no scatter-add).
-    dx_tkd = jnp.take(dx_pd, pos_tk.reshape(-1), axis=0, mode="fill", fill_value=0)
+def _dispatch_rows_bwd(pos_tk, dx_pd):
+    n_tokens = pos_tk.shape[0]
+    # Every token's k assignments sit at pos_tk[t] (the zero last row for another rank's expert):
+    # gather them and sum, no scatter-add.
+    dx_tkd = jnp.take(dx_pd, pos_tk.reshape(-1), axis=0, mode="clip")
     return dx_tkd.reshape(n_tokens, -1, dx_pd.shape[-1]).sum(axis=1), None, None
 
 
@@ -265,8 +284,8 @@ _dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
 
 @jax.custom_vjp
 def _combine_rows(y_pd, pos_m, assign_p):
-    """y_md[a] = y_pd[pos_m[a]] (zero rows where the position is out of range)."""
-    return jnp.take(y_pd, pos_m, axis=0, mode="fill", fill_value=0)
+    """y_md[a] = y_pd[pos_m[a]]; positions are in range and the last row of y_pd is zero."""
+    return jnp.take(y_pd, pos_m, axis=0, mode="clip")
 
 
 def _combine_rows_fwd(y_pd, pos_m, assign_p):
@@ -274,114 +293,156 @@ def _combine_rows_fwd(y_pd, pos_m, assign_p):
 
 
 def _combine_rows_bwd(assign_p, dy_md):
-    # pos_m is injective on the rows it hits: the transpose is the gather through its inverse.
+    # pos_m is injective on the rows it hits: the transpose is the gather through its inverse
+    # (assign_p = n_assign, out of range, for padding rows: zero).
     return jnp.take(dy_md, assign_p, axis=0, mode="fill", fill_value=0), None, None
 
 
 _combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
 
 
-def _tiled_mlp_loop(m, x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used, save_hidden):
+def _tiled_mlp_loop(sizes, x_pd, wgu_edf, wo_efd, plan, save_hidden):
+    """One loop per tile size over that size's windows (start row, expert), chained on the carry."""
     n_rows, d = x_pd.shape
-    f = wg_edf.shape[-1]
+    f = wo_efd.shape[1]
     y_pd, *hidden = _match_varying(x_pd, jnp.zeros((n_rows, d), x_pd.dtype),
-                                   *((jnp.zeros((n_rows, f), x_pd.dtype),) * 2 if save_hidden else ()))[1:]
-    hidden = tuple(hidden)
+                                   *((jnp.zeros((n_rows, 2 * f), x_pd.dtype),) if save_hidden else ()))[1:]
+    carry = (y_pd, hidden)
+    for m, (start_w, expert_w, count) in zip(sizes, plan):
+        def body(i, carry, m=m, start_w=start_w, expert_w=expert_w):
+            y_pd, hidden = carry
+            e, row = expert_w[i], start_w[i]
+            hu_mf = jax.lax.dynamic_slice_in_dim(x_pd, row, m) @ wgu_edf[e]
+            y_md = (jax.nn.silu(hu_mf[:, :f]) * hu_mf[:, f:]) @ wo_efd[e]
+            y_pd = jax.lax.dynamic_update_slice_in_dim(y_pd, y_md, row, 0)
+            if save_hidden:
+                hidden = [jax.lax.dynamic_update_slice_in_dim(hidden[0], hu_mf, row, 0)]
+            return y_pd, hidden
 
-    def body(i, carry):
-        y_pd, hidden = carry
-        e, row = tile_expert_g[i], i * m
-        x_md = jax.lax.dynamic_slice_in_dim(x_pd, row, m)
-        h_mf = x_md @ wg_edf[e]
-        u_mf = x_md @ wu_edf[e]
-        y_pd = jax.lax.dynamic_update_slice_in_dim(y_pd, (jax.nn.silu(h_mf) * u_mf) @ wo_efd[e], row, 0)
-        if save_hidden:
-            hidden = tuple(jax.lax.dynamic_update_slice_in_dim(buf, v, row, 0)
-                           for buf, v in zip(hidden, (h_mf, u_mf)))
-        return y_pd, hidden
-
-    return jax.lax.fori_loop(0, n_used, body, (y_pd, hidden))
+        carry = jax.lax.fori_loop(0, count, body, carry)
+    return carry
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def tiled_expert_mlp(m, x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used):
-    """``down(silu(x @ gate[e]) * (x @ up[e]))`` for each m-row tile g < n_used, e = tile_expert_g[g].
+def tiled_expert_mlp(sizes, x_pd, wgu_edf, wo_efd, plan):
+    """``down(silu(gate) * up)``, ``[gate | up] = x @ wgu[e]``, on row windows of ``x_pd``.
 
-    Rows of tiles at or past ``n_used`` are zero.
+    ``plan[j] = (start_w, expert_w, count)``: windows ``[start_w[i], start_w[i] + sizes[j])``,
+    i < count, belong to expert ``expert_w[i]``. Rows outside every window are zero.
     """
-    return _tiled_mlp_loop(m, x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used, False)[0]
+    return _tiled_mlp_loop(sizes, x_pd, wgu_edf, wo_efd, plan, False)[0]
 
 
-def _tiled_expert_mlp_fwd(m, x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used):
-    y_pd, (h_pf, u_pf) = _tiled_mlp_loop(m, x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used, True)
-    return y_pd, (x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used, h_pf, u_pf)
+def _tiled_expert_mlp_fwd(sizes, x_pd, wgu_edf, wo_efd, plan):
+    y_pd, (hu_pf,) = _tiled_mlp_loop(sizes, x_pd, wgu_edf, wo_efd, plan, True)
+    return y_pd, (x_pd, wgu_edf, wo_efd, plan, hu_pf)
 
 
-def _tiled_expert_mlp_bwd(m, res, dy_pd):
-    x_pd, wg_edf, wu_edf, wo_efd, tile_expert_g, n_used, h_pf, u_pf = res
+def _tiled_expert_mlp_bwd(sizes, res, dy_pd):
+    x_pd, wgu_edf, wo_efd, plan, hu_pf = res
+    f = wo_efd.shape[1]
     f32 = jnp.float32
+    carry = _match_varying(dy_pd, x_pd, jnp.zeros_like(x_pd),
+                           *(jnp.zeros(w.shape, f32) for w in (wgu_edf, wo_efd)))[2:]
+    for m, (start_w, expert_w, count) in zip(sizes, plan):
+        def body(i, carry, m=m, start_w=start_w, expert_w=expert_w):
+            dx_pd, dwgu, dwo = carry
+            e, row = expert_w[i], start_w[i]
+            x_md, hu_mf, dy_md = (jax.lax.dynamic_slice_in_dim(a, row, m) for a in (x_pd, hu_pf, dy_pd))
+            h_mf, u_mf = hu_mf[:, :f], hu_mf[:, f:]
+            sig_mf = jax.nn.sigmoid(h_mf)
+            act_mf = h_mf * sig_mf
+            da_mf = dy_md @ wo_efd[e].T
+            dsilu_mf = sig_mf * (1 + h_mf * (1 - sig_mf))
+            dhu_mf = jnp.concatenate([da_mf * u_mf * dsilu_mf, da_mf * act_mf], -1)
+            dx_pd = jax.lax.dynamic_update_slice_in_dim(dx_pd, dhu_mf @ wgu_edf[e].T, row, 0)
+            acc = lambda dw, a, b: jax.lax.dynamic_update_index_in_dim(
+                dw, dw[e] + jnp.dot(a.T, b, preferred_element_type=f32), e, 0)
+            return dx_pd, acc(dwgu, x_md, dhu_mf), acc(dwo, act_mf * u_mf, dy_md)
 
-    def body(i, carry):
-        dx_pd, dwg, dwu, dwo = carry
-        e, row = tile_expert_g[i], i * m
-        x_md, h_mf, u_mf, dy_md = (jax.lax.dynamic_slice_in_dim(a, row, m) for a in (x_pd, h_pf, u_pf, dy_pd))
-        sig_mf = jax.nn.sigmoid(h_mf)
-        act_mf = h_mf * sig_mf
-        da_mf = dy_md @ wo_efd[e].T
-        dh_mf = da_mf * u_mf * (sig_mf * (1 + h_mf * (1 - sig_mf)))
-        du_mf = da_mf * act_mf
-        dx_md = dh_mf @ wg_edf[e].T + du_mf @ wu_edf[e].T
-        dx_pd = jax.lax.dynamic_update_slice_in_dim(dx_pd, dx_md, row, 0)
-        acc = lambda dw, a, b: jax.lax.dynamic_update_index_in_dim(
-            dw, dw[e] + jnp.dot(a.T, b, preferred_element_type=f32), e, 0)
-        return dx_pd, acc(dwg, x_md, dh_mf), acc(dwu, x_md, du_mf), acc(dwo, act_mf * u_mf, dy_md)
-
-    init = _match_varying(dy_pd, x_pd, jnp.zeros_like(x_pd),
-                          *(jnp.zeros(w.shape, f32) for w in (wg_edf, wu_edf, wo_efd)))[2:]
-    dx_pd, dwg, dwu, dwo = jax.lax.fori_loop(0, n_used, body, init)
-    return (dx_pd, dwg.astype(wg_edf.dtype), dwu.astype(wu_edf.dtype), dwo.astype(wo_efd.dtype), None, None)
+        carry = jax.lax.fori_loop(0, count, body, carry)
+    dx_pd, dwgu, dwo = carry
+    return dx_pd, dwgu.astype(wgu_edf.dtype), dwo.astype(wo_efd.dtype), jax.tree.map(lambda _: None, plan)
 
 
 tiled_expert_mlp.defvjp(_tiled_expert_mlp_fwd, _tiled_expert_mlp_bwd)
 
 
+def tile_plan(units_e, row_start_e, tile_rows: int, n_levels: int, max_units: int):
+    """Cover every expert's padded group (``units_e`` tiles of ``tile_rows`` from ``row_start_e``)
+    with windows of ``tile_rows * 2**j`` rows, j < n_levels: as many of the largest as fit, then
+    the binary digits of the rest, so at most one window per expert of every smaller size.
+
+    Returns (window sizes, per size (start row [W], expert [W], count)); W is static:
+    ``max_units // 2**(n_levels-1) + E`` for the largest size (``max_units`` bounds sum(units_e)),
+    E for the others.
+    """
+    n_groups = units_e.shape[0]
+    top = n_levels - 1
+    experts = jnp.arange(n_groups, dtype=jnp.int32)
+    sizes, plan = [], []
+    # Largest windows: units_e >> top of them per expert, back to back from the group start.
+    n_top_e = units_e >> top
+    end_e = jnp.cumsum(n_top_e)
+    w = jnp.arange(max_units // (1 << top) + n_groups, dtype=jnp.int32)
+    e_w = jnp.minimum(jnp.searchsorted(end_e, w, side="right"), n_groups - 1).astype(jnp.int32)
+    start_w = row_start_e[e_w] + (w - (end_e[e_w] - n_top_e[e_w])) * (tile_rows << top)
+    sizes.append(tile_rows << top)
+    plan.append((start_w.astype(jnp.int32), e_w, end_e[-1]))
+    # Smaller windows: bit j of units_e, placed after the bits above it.
+    for j in reversed(range(top)):
+        has_e = (units_e >> j) & 1
+        # Experts that have one, first (a stable sort on 1 - has keeps expert order).
+        e_w = jnp.argsort(1 - has_e, stable=True).astype(jnp.int32)
+        start_e = row_start_e + ((units_e >> (j + 1)) << (j + 1)) * tile_rows
+        sizes.append(tile_rows << j)
+        plan.append((start_e[e_w].astype(jnp.int32), e_w, jnp.sum(has_e)))
+    return tuple(sizes), tuple(plan)
+
+
 def tiled_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd, *,
-                  first_expert=0, tile_rows: int = 0):
+                  first_expert=0, tile_rows: int = 0, max_tile_rows: int = 0):
     """``sorted_experts`` with the tiled grouped matmul: same contract, exact, static shapes."""
     n_tokens, top_k = experts_tk.shape
     n_local = wi_gate_edf.shape[0]
     n_assign = n_tokens * top_k
-    m = tile_rows or auto_tile_rows(n_assign, n_local)
-    n_tiles = -(-(n_assign + n_local * (m - 1)) // m)
-    n_rows = n_tiles * m
+    m, m_max = tile_sizes(n_assign, n_local, tile_rows, max_tile_rows)
+    n_levels = (m_max // m).bit_length()
+    max_units = -(-(n_assign + n_local * (m - 1)) // m)
+    n_rows = max_units * m  # the buffers have one more row, always zero: the target of "nowhere"
 
     local_m = experts_tk.reshape(-1) - first_expert
     key_m = jnp.where((local_m >= 0) & (local_m < n_local), local_m, n_local)
-    order_m = jnp.argsort(key_m, stable=True)
-    key_sorted_m = key_m[order_m]
-    sizes_e = jnp.bincount(key_m, length=n_local + 1)[:n_local].astype(jnp.int32)
-    padded_e = (sizes_e + m - 1) // m * m
-    start_e = jnp.cumsum(sizes_e) - sizes_e
-    padded_end_e = jnp.cumsum(padded_e)
-    # Padded-layout row of every assignment; assignments to other ranks' experts land past the end.
-    key_c = jnp.minimum(key_sorted_m, n_local - 1)
     arange_m = jnp.arange(n_assign, dtype=jnp.int32)
-    pos_sorted_m = jnp.where(key_sorted_m < n_local,
-                             padded_end_e[key_c] - padded_e[key_c] + arange_m - start_e[key_c], n_rows)
+    if (n_local + 1) * n_assign < 2 ** 31:
+        # Stable sort by expert as one unstable sort of unique int32 keys (several times faster
+        # on CPU than a two-operand stable argsort).
+        packed_m = jax.lax.sort(key_m * n_assign + arange_m)
+        order_m, key_sorted_m = packed_m % n_assign, packed_m // n_assign
+    else:
+        order_m = jnp.argsort(key_m, stable=True)
+        key_sorted_m = key_m[order_m]
+    sizes_e = jnp.bincount(key_m, length=n_local + 1)[:n_local].astype(jnp.int32)
+    units_e = (sizes_e + m - 1) // m
+    start_e = jnp.cumsum(sizes_e) - sizes_e
+    pstart_e = (jnp.cumsum(units_e) - units_e) * m
+    # Padded-layout row of every assignment; assignments to other ranks' experts go to the zero row.
+    key_c = jnp.minimum(key_sorted_m, n_local - 1)
+    pos_sorted_m = jnp.where(key_sorted_m < n_local, pstart_e[key_c] + arange_m - start_e[key_c], n_rows)
     pos_m = jnp.zeros((n_assign,), jnp.int32).at[order_m].set(pos_sorted_m, unique_indices=True)
-    # Inverse map: assignment of every padded row (n_assign = none; its token n_tokens is out of range).
-    assign_p = jnp.full((n_rows,), n_assign, jnp.int32).at[pos_m].set(arange_m, mode="drop",
+    # Inverse map: assignment of every padded row (n_assign = none, whose token n_tokens is the zero row).
+    assign_p = jnp.full((n_rows + 1,), n_assign, jnp.int32).at[pos_m].set(arange_m, mode="drop",
                                                                       unique_indices=True)
-    tile_expert_g = jnp.minimum(
-        jnp.searchsorted(padded_end_e, jnp.arange(n_tiles, dtype=jnp.int32) * m, side="right"),
-        n_local - 1).astype(jnp.int32)
-    n_used = padded_end_e[-1] // m
+    sizes, plan = tile_plan(units_e, pstart_e, m, n_levels, max_units)
 
     x_pd = _dispatch_rows(*_match_varying(x_td, assign_p // top_k, pos_m.reshape(n_tokens, top_k)))
-    y_pd = tiled_expert_mlp(m, *_match_varying(x_pd, wi_gate_edf, wi_up_edf, wo_efd, tile_expert_g, n_used))
+    # Gate and up as one [H, 2I] matmul per tile (one concatenation per call, split by autodiff).
+    wgu_edf = jnp.concatenate([wi_gate_edf, wi_up_edf], axis=-1)
+    x_pd, wgu_edf, wo_efd, *plan_flat = _match_varying(x_pd, wgu_edf, wo_efd, *jax.tree.leaves(plan))
+    plan = jax.tree.unflatten(jax.tree.structure(plan), plan_flat)
+    y_pd = tiled_expert_mlp(sizes, x_pd, wgu_edf, wo_efd, plan)
     y_tkd = _combine_rows(*_match_varying(y_pd, pos_m, assign_p)).reshape(n_tokens, top_k, -1)
     return jnp.einsum("tkd,tk->td", y_tkd, weights_tk.astype(y_tkd.dtype))
-
 
 def _mesh_or_none():
     mesh = jax.sharding.get_abstract_mesh()
@@ -391,7 +452,7 @@ def _mesh_or_none():
 
 
 def sharded_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd, *, mesh,
-                    expert_parallel: bool, impl: str, tile_rows: int = 0):
+                    expert_parallel: bool, impl: str, tile_rows: int = 0, max_tile_rows: int = 0):
     """Run ``sorted_experts`` per token shard under ``shard_map``; optionally ring EP over ``expert``."""
     num_experts, _, d_ff = wi_gate_edf.shape
     token_axes = logical_to_spec(("tokens",))[0]
@@ -422,7 +483,8 @@ def sharded_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd
                                             for a in (x_td, weights_tk, experts_tk))
             first_expert = jax.lax.axis_index(exp_axis) * (num_experts // ep)
         y_td = sorted_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd,
-                              first_expert=first_expert, impl=impl, tile_rows=tile_rows)
+                              first_expert=first_expert, impl=impl, tile_rows=tile_rows,
+                              max_tile_rows=max_tile_rows)
         if exp_axis:
             y_td = jax.lax.psum_scatter(y_td, exp_axis, scatter_dimension=0, tiled=True)
         if tp_axis:
@@ -444,10 +506,14 @@ def sharded_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd
 # --------------------------------------------------------------------------------------------
 
 def _param(init, key, shape, param_dtype, names):
-    # Logical names stay in the metadata; sharding_rules lets flax map them to mesh axes through
-    # the one rules table (nnx.get_partition_spec gives the jit shardings). Created under a mesh,
-    # the value is sharded at once; without one there is nothing to shard onto.
-    return nnx.Param(init(key, shape, param_dtype), out_sharding=names, sharding_rules=LOGICAL_RULES,
+    # Logical names stay in the metadata; sharding_rules lets flax map them to mesh axes
+    # (nnx.get_partition_spec gives the jit shardings). The rules are this parameter's names
+    # resolved once through the one table by logical_to_spec, which never uses a mesh axis twice
+    # (`embed` maps to (fsdp, expert), and expert weights take `expert` for `exp` first); flax's
+    # own mapping would repeat it. Created under a mesh, the value is sharded at once; without one
+    # there is nothing to shard onto.
+    rules = tuple((n, a) for n, a in zip(names, logical_to_spec(names)) if n is not None)
+    return nnx.Param(init(key, shape, param_dtype), out_sharding=names, sharding_rules=rules,
                      eager_sharding=_mesh_or_none() is not None)
 
 
@@ -498,11 +564,11 @@ class SparseMoeBlock(nnx.Module):
             y_td = dense_experts(x_td, weights_tk, experts_tk, *experts)
         elif mesh is None:
             y_td = sorted_experts(x_td, weights_tk, experts_tk, *experts, impl=cfg.ragged_dot,
-                                  tile_rows=cfg.tile_rows)
+                                  tile_rows=cfg.tile_rows, max_tile_rows=cfg.max_tile_rows)
         else:
             expert_parallel = backend == "ep_ring" and mesh.shape["expert"] > 1
             y_td = sharded_experts(x_td, weights_tk, experts_tk, *experts, mesh=mesh,
                                    expert_parallel=expert_parallel, impl=cfg.ragged_dot,
-                                   tile_rows=cfg.tile_rows)
+                                   tile_rows=cfg.tile_rows, max_tile_rows=cfg.max_tile_rows)
         y_btd = constrain(y_td.reshape(b, t, d), ("batch", "length", "act_embed"))
         return y_btd, aux
