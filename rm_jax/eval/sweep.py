@@ -18,7 +18,6 @@ import os
 import time
 from typing import Sequence
 
-import ml_collections
 import numpy as np
 
 from rm_jax.data import records
@@ -30,11 +29,6 @@ from rm_jax.eval.metrics import judge_metrics, to_jsonable
 from rm_jax.eval.reward_report import format_markdown, reward_report
 from rm_jax.eval.selection import SelectionRule, SweepRow, format_table, select_checkpoint
 from rm_jax.score.reward import compute_reward
-
-
-def workdir_config(workdir: str) -> ml_collections.ConfigDict:
-    with open(os.path.join(workdir, "manifest.json")) as f:
-        return ml_collections.ConfigDict(json.load(f)["config"])
 
 
 def split_samples(data_dir: str) -> dict[str, list[Sample]]:
@@ -110,11 +104,11 @@ def val_losses(workdir: str) -> dict[int, float]:
 def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRule(), decode: bool = True,
               max_samples: int = 0, batch_size: int = 16, max_new_tokens: int = 64,
               progress: bool = False) -> dict:
-    from rm_jax.score.checkpoints import list_steps, load_judge
+    from rm_jax.score.checkpoints import list_steps, load_judge, read_run_config
     from rm_jax.score.scorer import Scorer
 
     t0 = time.time()
-    cfg = workdir_config(workdir)
+    cfg = read_run_config(workdir)
     renderer = make_renderer(cfg, data_dir)
     splits = split_samples(data_dir)
     heldout = splits["heldout"][:max_samples] if max_samples else splits["heldout"]

@@ -54,6 +54,15 @@ def chosen_step(workdir: str) -> int | None:
         raise ValueError(f"{path}: field chosen.step is missing or not an integer ({e})") from None
 
 
+def list_steps(workdir: str) -> list[int]:
+    """Complete checkpoint steps of a training workdir, ascending."""
+    ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        return []
+    with ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(read_only=True)) as manager:
+        return sorted(manager.all_steps())
+
+
 def load_judge(workdir: str, step: int | None = None, *, mesh=None
                ) -> tuple[Qwen3VLMoeJudge, ModelConfig, int]:
     """Restore a training checkpoint's params into a (sharded) judge. ``mesh`` defaults to the

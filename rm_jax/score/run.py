@@ -15,8 +15,8 @@ from rm_jax.score.reward import compute_reward
 
 def _renderer_for(workdir: str, tokenizer: str):
     from rm_jax.data.render import Renderer
-    from rm_jax.eval.sweep import workdir_config
-    cfg = workdir_config(workdir)
+    from rm_jax.score.checkpoints import read_run_config
+    cfg = read_run_config(workdir)
     data_dir = cfg.data.dir
     with open(os.path.join(data_dir, "manifest.json")) as f:
         manifest = json.load(f)
