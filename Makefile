@@ -23,8 +23,10 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
+BENCHMARKS := data_throughput forward_vs_hf moe_flops train_vs_hf score_vs_hf memory_plan
+
 bench: $(STAMP)
-	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
+	for b in $(BENCHMARKS); do $(BIN)/python -m benchmarks.$$b || exit 1; done
 
 clean:
 	rm -rf runs .pytest_cache

@@ -16,31 +16,13 @@ import tempfile
 import time
 
 from absl import app, flags
+from benchmarks.timing import median_seconds  # noqa: E402
+from rm_jax.model.config import hf_config_dict  # noqa: E402
 
 flags.DEFINE_integer("batch", 4, "sequences per forward")
 flags.DEFINE_integer("seq", 256, "tokens per sequence")
 flags.DEFINE_integer("iters", 9, "timed iterations (after one warm-up)")
 flags.DEFINE_integer("images", 1, "images per batch (8x12-patch each, in row 0..)")
-
-
-def _timeit(fn, iters):
-    """Median seconds per call after two warm-ups (compile, allocator): the CPU is shared, and
-    the median ignores the runs another process happened to slow down."""
-    fn()
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(sorted(times)[len(times) // 2])
-
-
-def _hf_lists(x):
-    """ml_collections tuples -> the lists transformers' strict config dataclasses require."""
-    if isinstance(x, dict):
-        return {k: _hf_lists(v) for k, v in x.items()}
-    return [_hf_lists(v) for v in x] if isinstance(x, (list, tuple)) else x
 
 
 def main(argv):
@@ -57,7 +39,7 @@ def main(argv):
     from rm_jax.model.moe import MoeConfig, SparseMoeBlock, resolve_ragged_dot, tile_sizes
 
     f = flags.FLAGS
-    hf_dict = _hf_lists(model_config().to_dict())
+    hf_dict = hf_config_dict(model_config().to_dict())
     torch.manual_seed(0)
     hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**hf_dict)).eval()
     tmp = tempfile.mkdtemp()
@@ -77,12 +59,12 @@ def main(argv):
     kw = dict(attention_mask=mask) if not f.images else dict(attention_mask=mask, pixel_values=pixels,
                                                                image_grid_thw=grids)
 
-    jax_s = _timeit(lambda: model(ids, **kw).block_until_ready(), f.iters)
+    jax_s = median_seconds(lambda: model(ids, **kw).block_until_ready(), f.iters)
     tkw = {k: torch.tensor(v) for k, v in kw.items()}
     if f.images:
         tkw["mm_token_type_ids"] = torch.tensor((ids == cfg.image_token_id).astype(np.int64))
     with torch.no_grad():
-        hf_s = _timeit(lambda: hf(input_ids=torch.tensor(ids), **tkw), f.iters)
+        hf_s = median_seconds(lambda: hf(input_ids=torch.tensor(ids), **tkw), f.iters)
     tokens = b * t
     print(f"{'impl':<14}{'s/forward':>12}{'tokens/s':>14}")
     print(f"{'rm_jax':<14}{jax_s:>12.4f}{tokens / jax_s:>14.0f}")
@@ -96,14 +78,14 @@ def main(argv):
     flops = 2 * tokens * tc.hidden_size * n_out
     w = jnp.asarray(rng.standard_normal((tc.hidden_size, n_out)), jnp.float32)
     dense_fn = jax.jit(lambda x, w: x.reshape(-1, x.shape[-1]) @ w)
-    dense_s = _timeit(lambda: dense_fn(x, w).block_until_ready(), max(f.iters, 20))
+    dense_s = median_seconds(lambda: dense_fn(x, w).block_until_ready(), max(f.iters, 20))
     frac = {}
     for impl in ("auto", "tokamax"):
         moe = SparseMoeBlock(MoeConfig(tc.hidden_size, tc.moe_intermediate_size, tc.num_experts,
                                        tc.num_experts_per_tok, ragged_dot=impl), rngs=nnx.Rngs(0))
         gdef, state = nnx.split(moe)
         moe_fn = jax.jit(lambda s, x: nnx.merge(gdef, s)(x)[0])
-        moe_s = _timeit(lambda: moe_fn(state, x).block_until_ready(), max(f.iters, 20))
+        moe_s = median_seconds(lambda: moe_fn(state, x).block_until_ready(), max(f.iters, 20))
         frac[impl] = dense_s / moe_s
         print(f"MoE layer ({impl}={resolve_ragged_dot(impl)}): {moe_s * 1e3:.3f} ms, "
               f"{flops / moe_s / 1e9:.2f} GFLOP/s; dense matmul same FLOPs: {dense_s * 1e3:.3f} ms, "

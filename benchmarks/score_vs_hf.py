@@ -23,27 +23,13 @@ import tempfile
 import time
 
 from absl import app, flags
+from benchmarks.timing import median_seconds  # noqa: E402
+from rm_jax.model.config import hf_config_dict  # noqa: E402
 
 flags.DEFINE_integer("n", 8, "samples scored per timed run")
 flags.DEFINE_integer("batch", 4, "batch size (both implementations)")
 flags.DEFINE_integer("max_new_tokens", 32, "decode budget for full scoring (both)")
 flags.DEFINE_integer("iters", 3, "timed runs (median), after one warm-up")
-
-
-def _median_time(fn, iters):
-    fn()    # warm-up: compile (ours), allocator and kernel selection (torch)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(sorted(times)[len(times) // 2])
-
-
-def _hf_dict(x):
-    if isinstance(x, dict):
-        return {k: _hf_dict(v) for k, v in x.items()}
-    return [_hf_dict(v) for v in x] if isinstance(x, (list, tuple)) else x
 
 
 def main(argv):
@@ -70,7 +56,7 @@ def main(argv):
                if isinstance(s, Sample) and s.images][:f.n]
     tok = renderer.tokenizer
 
-    d = _hf_dict(model_config().to_dict())
+    d = hf_config_dict(model_config().to_dict())
     d["text_config"]["vocab_size"] = len(tok)
     torch.manual_seed(0)
     hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**d)).eval().float()
@@ -141,10 +127,10 @@ def main(argv):
     ref_p = hf_p_pass()
     max_diff = float(np.max(np.abs(np.array([s.p_pass for s in ours_p]) - np.array(ref_p))))
 
-    t_ours_p = _median_time(lambda: scorer.p_pass(samples), f.iters)
-    t_hf_p = _median_time(hf_p_pass, f.iters)
-    t_ours_full = _median_time(ours_full, f.iters)
-    t_hf_full = _median_time(hf_full, f.iters)
+    t_ours_p = median_seconds(lambda: scorer.p_pass(samples), f.iters)
+    t_hf_p = median_seconds(hf_p_pass, f.iters)
+    t_ours_full = median_seconds(ours_full, f.iters)
+    t_hf_full = median_seconds(hf_full, f.iters)
 
     n = len(samples)
     rows = [("P(pass) only", t_ours_p, t_hf_p), ("full (decode + parse)", t_ours_full, t_hf_full)]

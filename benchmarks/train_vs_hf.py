@@ -22,23 +22,13 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
+from benchmarks.timing import median_seconds  # noqa: E402
 
 flags.DEFINE_integer("batch", 4, "sequences per step")
 flags.DEFINE_integer("seq", 512, "tokens per sequence")
 flags.DEFINE_integer("images", 2, "images per batch (8x12 patches each, rows 0..)")
 flags.DEFINE_integer("target", 48, "target (verdict JSON) tokens at the end of each row")
 flags.DEFINE_integer("iters", 7, "timed steps (after two warm-ups)")
-
-
-def _median_time(fn, iters):
-    fn()
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(sorted(times)[len(times) // 2])
 
 
 def _flops(compiled) -> float:
@@ -138,15 +128,15 @@ def main(argv):
 
     hf_loss0 = float(hf_step().detach())
 
-    jax_s = _median_time(jax_step, f.iters)
-    hf_s = _median_time(hf_step, f.iters)
+    jax_s = median_seconds(jax_step, f.iters)
+    hf_s = median_seconds(hf_step, f.iters)
 
     # ---- this CPU's dense fp32 matmul rate ----------------------------------------------------------
     n = 2048
     x = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
     y = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
     mm = jax.jit(lambda x, y: x @ y)
-    mm_s = _median_time(lambda: mm(x, y).block_until_ready(), 9)
+    mm_s = median_seconds(lambda: mm(x, y).block_until_ready(), 9)
     mm_rate = 2 * n ** 3 / mm_s
     rate = flops / jax_s
 

@@ -12,6 +12,8 @@ import os
 
 import numpy as np
 import pytest
+
+from rm_jax.model.config import hf_config_dict
 import torch
 
 from rm_jax.data.render import Renderer
@@ -24,18 +26,11 @@ REASON_FIRST = ("reason", "issues", "img", "l3")
 BUCKETS = (512, 768, 1024)
 
 
-def hf_dict(x):
-    """ml_collections tuples -> the lists transformers' strict config dataclasses require."""
-    if isinstance(x, dict):
-        return {k: hf_dict(v) for k, v in x.items()}
-    return [hf_dict(v) for v in x] if isinstance(x, (list, tuple)) else x
-
-
 @pytest.fixture(scope="module")
 def judge(tmp_path_factory, renderer):
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
     from configs.tiny import model_config
-    d = hf_dict(model_config().to_dict())
+    d = hf_config_dict(model_config().to_dict())
     d["text_config"]["vocab_size"] = len(renderer.tokenizer)
     torch.manual_seed(0)
     hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**d)).eval().float()

@@ -241,3 +241,12 @@ def _vision_from_hf(v: dict) -> VisionConfig:
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         extra={k: val for k, val in v.items() if k not in known},
     )
+
+
+def hf_config_dict(d: Mapping[str, Any]) -> dict[str, Any]:
+    """An ml_collections model section as transformers wants it: plain dicts, lists not tuples
+    (our configs hold tuples so every field can be overridden from the command line; transformers'
+    config dataclasses reject them)."""
+    if isinstance(d, Mapping):
+        return {k: hf_config_dict(v) for k, v in d.items()}
+    return [hf_config_dict(v) for v in d] if isinstance(d, (list, tuple)) else d
