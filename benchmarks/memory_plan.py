@@ -48,7 +48,7 @@ flags.DEFINE_integer("patches_per_sample", 1024, "ViT patches per sample in *_im
 flags.DEFINE_bool("gpu_kernels", True, "replace CPU-only lowerings (ragged_dot) by kernel-like stand-ins")
 flags.DEFINE_enum("attention", "chunked", ["chunked", "xla"], "attention lowering (see module doc)")
 flags.DEFINE_integer("attn_block", 512, "query block of the chunked attention")
-flags.DEFINE_bool("check_init_sharding", True, "also compile jit(optimizer.init) as StepBuilder.init_state runs it")
+flags.DEFINE_bool("check_init_sharding", True, "also compile the optimizer init as StepBuilder.init_state places it")
 flags.DEFINE_bool("flops", True, "per-layer compiles to correct the scan-undercounted FLOPs")
 
 GIB = 1 << 30
@@ -252,21 +252,17 @@ def compile_variant(name, f):
     builder = StepBuilder(model, optimizer, step_cfg, mesh, optim.schedule(ocfg))
     sh = weight_shardings(builder._params, mesh, rules)
     params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), builder._params, sh)
-    # Adam's mu/nu take their parameter's sharding, scalars (count) are replicated. (Reading the
-    # shardings off jax.jit(optimizer.init) -- what StepBuilder.init_state does -- gives fully
-    # replicated mu/nu: zeros_like carries no sharding. See the notes in the reply/WORKSPACE.)
+    # The optimizer state's shardings exactly as StepBuilder.init_state places it (mu/nu like
+    # their parameter, scalars replicated); the check compiles that init and reports its output.
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_abs = jax.eval_shape(optimizer.init, params)
+    opt_sh = builder.opt_state_shardings(params)
     if f.check_init_sharding:
         with jax.set_mesh(mesh):
-            naive = jax.jit(optimizer.init).lower(params).compile().output_shardings
-        naive_bytes = per_device_bytes(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                                    opt_abs, naive))
-        log(f"[{name}] optimizer state as StepBuilder.init_state shards it (jit(optimizer.init)): "
-            f"{naive_bytes / GIB:.2f} GiB per device")
-    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_abs, sh,
-                                   transform_non_params=lambda _: replicated,
-                                   is_leaf=lambda v: isinstance(v, NamedSharding))
+            placed = jax.jit(optimizer.init, out_shardings=opt_sh).lower(params).compile().output_shardings
+        placed_bytes = per_device_bytes(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                                     opt_abs, placed))
+        log(f"[{name}] optimizer state as StepBuilder.init_state places it: {placed_bytes / GIB:.2f} GiB per device")
     opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt_abs, opt_sh)
     from rm_jax.train.step import TrainState
     state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
@@ -374,6 +370,9 @@ def main(argv):
     global ORIG_ATTENTION
     ORIG_ATTENTION = jax.nn.dot_product_attention
     if f.gpu_kernels:
+        # As on a GPU host: "auto" picks the grouped-matmul kernel (not the CPU tiled loop), whose
+        # CPU lowering is then replaced by the kernel-like stand-in.
+        moe_lib.resolve_ragged_dot = lambda impl: "tokamax" if impl == "auto" else impl
         moe_lib._ragged_dot = make_ragged_dot_kernel_like(128)
     if f.attention == "chunked":
         jax.nn.dot_product_attention = make_chunked_attention(jax.nn.dot_product_attention, f.attn_block)
