@@ -70,7 +70,8 @@ def get_config() -> ml_collections.ConfigDict:
     cfg.data.image.max_pixels = 1024 * 32 * 32      # 1024 merged tokens per image (policy budget)
     cfg.data.image.min_pixels = 256 * 32 * 32
     cfg.train.update(dict(lr=5e-6, global_batch=32, grad_accum=1, epochs=2.0, warmup_steps=50,
-                          dtype="bfloat16", param_dtype="float32", remat="full", max_target_tokens=192,
+                          dtype="bfloat16", param_dtype="float32", mu_dtype="bfloat16", remat="full",
+                          max_target_tokens=192,
                           vocab_chunk=16384, max_patches=32 * 4096, max_images=64,
                           checkpoint_every=100, eval_every=100))
     return cfg

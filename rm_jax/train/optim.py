@@ -25,6 +25,7 @@ class OptimConfig:
     eps: float = 1e-8
     clip_norm: float = 1.0
     freeze_vision: bool = False
+    mu_dtype: str = ""            # "" = the param dtype; "bfloat16" halves Adam's first moment
 
     @classmethod
     def from_config(cls, train_cfg) -> "OptimConfig":
@@ -49,7 +50,8 @@ def trainable_mask(params, freeze_vision: bool):
 def make_optimizer(cfg: OptimConfig, params) -> optax.GradientTransformation:
     adamw = optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
+        optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                    mu_dtype=cfg.mu_dtype or None),
     )
     if not cfg.freeze_vision:
         return adamw
