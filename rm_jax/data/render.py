@@ -187,12 +187,8 @@ class Renderer:
                                                   add_generation_prompt=True, tokenize=False)
         return text, refs
 
-    def target_text(self, sample: Sample) -> str:
-        return target_lib.serialize_label(sample.label, self.cfg.field_order, has_image=self._has_image(sample))
-
-    @staticmethod
-    def _has_image(sample: Sample) -> bool:
-        return bool(build_transcript(sample).images)
+    def target_text(self, sample: Sample, has_image: bool) -> str:
+        return target_lib.serialize_label(sample.label, self.cfg.field_order, has_image=has_image)
 
     def _expand_images(self, ids: list[int], tokens_per_image: Sequence[int]) -> list[int]:
         n_pads = sum(1 for t in ids if t == self.image_pad_id)
@@ -220,7 +216,7 @@ class Renderer:
         if with_target:
             if sample.label is None:
                 raise SampleError("missing_field", "label", "rendering a target needs a label")
-            pieces = target_lib.split_at_verdict(self.target_text(sample), sample.label.l3)
+            pieces = target_lib.split_at_verdict(self.target_text(sample, has_image=bool(refs)), sample.label.l3)
             prefix_ids = target_lib.encode_piece(self.tokenizer, pieces.prefix)
             verdict_ids = list(self.verdict.pass_ids if pieces.verdict == "pass" else self.verdict.fail_ids)
             verdict_pos = len(prompt_ids) + len(prefix_ids)
