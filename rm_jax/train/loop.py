@@ -146,6 +146,11 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     manifest = loader_lib.read_manifest(data_dir)
     stream_len = len(loader_lib.stream_indices(index["label"], int(cfg.data.oversample_fail)))
     plan = plan_run(t, stream_len)
+    has_heldout = len(loader_lib.records.load_index(data_dir, "heldout")["label"]) > 0
+    if not has_heldout and int(t.eval_every) > 0:
+        logging.warning("%s has no held-out examples: validation loss is skipped (and the sweep will "
+                        "have nothing to score); build with more prompts or a larger data.heldout_fraction",
+                        data_dir)
     mesh = make_mesh(cfg.mesh, num_experts=int(cfg.model.text_config.num_experts), global_batch=plan.micro_batch)
     logging.info("%s; mesh %s; plan %s", cluster_line, dict(mesh.shape), plan)
 
@@ -204,7 +209,8 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
                 dt = max(time.time() - t_log, 1e-9)
                 m.update(tokens_per_s=tokens_since / dt, samples_per_s=samples_since / dt,
                          fail_share=fails_since / max(samples_since, 1), epoch=step / plan.steps_per_epoch)
-                if int(t.eval_every) > 0 and (step % int(t.eval_every) == 0 or step == plan.total_steps):
+                if has_heldout and int(t.eval_every) > 0 and (step % int(t.eval_every) == 0
+                                                              or step == plan.total_steps):
                     m["val_loss"] = evaluate(builder, cfg, mcfg, state, plan, mesh)
                 writer.write(step, m)
                 bar.set_postfix(loss=f"{m['loss']:.4f}")
