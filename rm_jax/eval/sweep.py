@@ -28,7 +28,7 @@ from rm_jax.eval.baseline import shortcut_baseline
 from rm_jax.eval.metrics import judge_metrics, to_jsonable
 from rm_jax.eval.reward_report import format_markdown, reward_report
 from rm_jax.eval.selection import SelectionRule, SweepRow, format_table, select_checkpoint
-from rm_jax.score.reward import compute_reward
+from rm_jax.score.reward import compute_reward, sample_has_image
 
 
 def split_samples(data_dir: str) -> dict[str, list[Sample]]:
@@ -63,32 +63,31 @@ class StepScores:
     seconds: float
 
 
-def _slices(samples: Sequence[Sample], renderer: Renderer) -> dict[str, np.ndarray]:
+def _slices(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
     tool = np.asarray([s.response.calls_tools for s in samples])
-    img = np.asarray([bool(_has_image(s)) for s in samples])
+    img = np.asarray([sample_has_image(s) for s in samples])
     return {"tool_call": tool, "text_only": ~tool, "with_image": img, "without_image": ~img}
 
 
-def _has_image(sample: Sample) -> bool:
-    from rm_jax.score.reward import sample_has_image
-    return sample_has_image(sample)
-
-
-def evaluate_results(samples: Sequence[Sample], results: Sequence, renderer: Renderer) -> dict:
+def evaluate_results(samples: Sequence[Sample], results: Sequence) -> dict:
+    """`results` are JudgeResults (decoded) or VerdictScores (--nodecode: no img, no parse status)."""
     labels = [s.label.l3 for s in samples]
+    decoded = all(hasattr(r, "parse_ok") for r in results)
     return judge_metrics(labels, [r.p_pass for r in results],
-                         img_pred=[r.img for r in results], img_true=[s.label.img for s in samples],
-                         parse_ok=[r.parse_ok for r in results],
+                         img_pred=[r.img for r in results] if decoded else None,
+                         img_true=[s.label.img for s in samples] if decoded else None,
+                         parse_ok=[r.parse_ok for r in results] if decoded else None,
                          off_vocab_mass=[r.off_vocab_mass for r in results],
-                         slices=_slices(samples, renderer))
+                         slices=_slices(samples))
 
 
 def reward_records(samples: Sequence[Sample], results: Sequence) -> list[dict]:
     out = []
     for s, r in zip(samples, results):
-        rw = compute_reward(s, r.p_pass, list(r.issues), r.img)
+        issues = list(getattr(r, "issues", ()))   # undecoded (--nodecode): P(pass) and rules only
+        rw = compute_reward(s, r.p_pass, issues, getattr(r, "img", None))
         out.append({"id": s.id, "prompt_id": s.prompt_id, "label": s.label.l3, "reward": rw.reward,
-                    "rule_score": rw.rule_score, "p_pass": r.p_pass, "n_issues": len(r.issues)})
+                    "rule_score": rw.rule_score, "p_pass": r.p_pass, "n_issues": len(issues)})
     return out
 
 
@@ -125,7 +124,7 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
         scorer = Scorer(model, renderer, field_order=tuple(cfg.data.field_order), buckets=tuple(cfg.data.buckets),
                         batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
         results = scorer.score(heldout) if decode else scorer.p_pass(heldout)
-        per_step[step] = StepScores(step, results, evaluate_results(heldout, results, renderer), time.time() - ts)
+        per_step[step] = StepScores(step, results, evaluate_results(heldout, results), time.time() - ts)
         print(f"step {step}: auc {per_step[step].metrics['auc']}, middle zone "
               f"{per_step[step].metrics['middle_zone']:.3f}, fail F1 {per_step[step].metrics['fail_f1']:.3f} "
               f"({per_step[step].seconds:.1f}s)", flush=True)

@@ -240,7 +240,7 @@ def evaluate(builder: StepBuilder, cfg, mcfg, state, plan: RunPlan, mesh) -> flo
         batch = assemble(mcfg, [micro]).batch
         dev = host_batch_to_device(batch, builder.batch_shardings(batch))
         with jax.set_mesh(mesh):
-            m = jax.device_get(builder.jit_eval(state.params, dev)(state.params, builder.rest, dev))
+            m = jax.device_get(builder.jit_eval()(state.params, builder.rest, dev))
         total += float(m["loss"]) * float(m["target_tokens"])
         count += float(m["target_tokens"])
     return total / max(count, 1.0)

@@ -174,7 +174,7 @@ class StepBuilder:
                                   out_shardings=(state_sh, None), donate_argnums=(0,))
         return self._train
 
-    def jit_eval(self, params, batch: StepBatch):
+    def jit_eval(self):
         if self._eval is None:
             self._eval = jax.jit(self._eval_step)
         return self._eval
