@@ -147,7 +147,7 @@ def make_chunked_attention(orig, block: int):
 # Abstract step inputs
 # ---------------------------------------------------------------------------------------------
 
-def abstract_batch(mcfg, a: int, b: int, t: int, patches: int):
+def abstract_batch(mcfg, a: int, b: int, t: int, patches: int, frame_patches: int = 1):
     import jax
     import jax.numpy as jnp
 
@@ -157,15 +157,16 @@ def abstract_batch(mcfg, a: int, b: int, t: int, patches: int):
     sds = jax.ShapeDtypeStruct
     vision, image_index = None, None
     if patches:
-        n = patches
+        n, p = patches, frame_patches
         vision = VisionInputs(pixel_values_nf=sds((a, n, mcfg.vision.patch_dim), jnp.float16),
                               interp_idx_n4=sds((a, n, 4), jnp.int32), interp_w_n4=sds((a, n, 4), jnp.float32),
-                              rope_pos_n2=sds((a, n, 2), jnp.int32), segment_n=sds((a, n), jnp.int32))
+                              rope_pos_n2=sds((a, n, 2), jnp.int32), frame_rows_fp=sds((a, n // p, p), jnp.int32),
+                              frame_len_f=sds((a, n // p), jnp.int32), row_slot_n=sds((a, n), jnp.int32))
         image_index = sds((a, b, t), jnp.int32)
-    # assemble() calls prepare_inputs(attention="mask"): a [B, 1, T, T] mask, no kv lengths.
+    # assemble() calls prepare_inputs(attention="lengths"): causal + per-row key lengths.
     inputs = JudgeInputs(input_ids_bt=sds((a, b, t), jnp.int32), attention_mask_bt=sds((a, b, t), jnp.int32),
                          positions_3bt=sds((a, 3, b, t), jnp.int32), image_index_bt=image_index,
-                         kv_lengths_b=None, vision=vision)
+                         kv_lengths_b=sds((a, b), jnp.int32), vision=vision)
     return StepBatch(inputs=inputs, target_mask=sds((a, b, t), jnp.int32))
 
 
@@ -267,7 +268,7 @@ def compile_variant(name, f):
     from rm_jax.train.step import TrainState
     state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
                        opt_state=opt_state)
-    batch = abstract_batch(mcfg, a, b, t, patches)
+    batch = abstract_batch(mcfg, a, b, t, patches, f.patches_per_sample)
     w_bytes, o_bytes = per_device_bytes(params), per_device_bytes(opt_state)
     n_params = sum(int(x.size) for x in jax.tree.leaves(params))
     log(f"[{name}] abstract state built in {time.time() - t0:.1f}s: {n_params / 1e9:.2f}B params; per device "
@@ -335,10 +336,13 @@ def layer_flops(mcfg, b_local: int, t: int, n_patches: int) -> tuple[float, floa
     f_vis = 0.0
     if n_patches:
         def vis_call(block, x, seg):
+            from rm_jax.model.vision import VisionInputs, vision_rope_cos_sin
             pos = jnp.zeros((n_patches, 2), jnp.int32)
-            from rm_jax.model.vision import vision_rope_cos_sin
             cos, sin = vision_rope_cos_sin(pos, vc.head_dim, vc.rope_theta)
-            return block(x, cos, sin, (seg[:, None] == seg[None, :])[None, None])
+            p = flags.FLAGS.patches_per_sample      # one image per sample, one frame slot each
+            slots = VisionInputs(None, None, None, None, frame_rows_fp=seg.reshape(-1, p),
+                                 frame_len_f=jnp.full((n_patches // p,), p, jnp.int32), row_slot_n=seg)
+            return block(x, cos, sin, slots)
         f_vis = grad_flops(lambda: VisionBlock(vc, rngs=nnx.Rngs(0), dtype=dt, param_dtype=jnp.float32),
                            vis_call, sds((n_patches, vc.hidden_size), dt), sds((n_patches,), jnp.int32))
     return f_text, f_vis

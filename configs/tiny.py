@@ -99,6 +99,7 @@ def train_config() -> ml_collections.ConfigDict:
         param_dtype="float32",       # master weights + optimizer state
         mu_dtype="",                 # Adam first moment dtype ("" = param dtype)
         remat="none",
+        attention="auto",            # text attention: query-blocked on CPU, dot_product_attention on GPU
         scan_layers=True,
         max_target_tokens=96,        # static per-example target budget (never truncated: checked)
         vocab_chunk=2048,

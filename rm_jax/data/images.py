@@ -64,6 +64,14 @@ class ImageBudget:
     def from_config(cls, cfg) -> "ImageBudget":
         return cls(int(cfg.max_pixels), int(cfg.min_pixels), int(cfg.get("max_image_tokens", 1024)))
 
+    def pixel_cap(self, patch_size: int, merge_size: int) -> int:
+        """The most pixels a resized image keeps: the pixel budget or the token cap, whichever is lower."""
+        return min(self.max_pixels, self.max_image_tokens * (patch_size * merge_size) ** 2)
+
+    def max_patches(self, patch_size: int, merge_size: int) -> int:
+        """The most patches one image (frame) can have: the vision tower's static frame capacity."""
+        return self.pixel_cap(patch_size, merge_size) // patch_size ** 2
+
 
 @dataclasses.dataclass(frozen=True)
 class ProcessedImages:
@@ -83,8 +91,7 @@ class ImagePreprocessor:
         self.processor = processor
         self.merge_size = int(processor.merge_size)
         self.patch_size = int(processor.patch_size)
-        unit = (self.patch_size * self.merge_size) ** 2     # pixels per merged token
-        self.max_pixels = min(budget.max_pixels, budget.max_image_tokens * unit)
+        self.max_pixels = budget.pixel_cap(self.patch_size, self.merge_size)
         self.min_pixels = min(budget.min_pixels, self.max_pixels)
         self.storage_dtype = np.dtype(storage_dtype)
 

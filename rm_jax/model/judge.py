@@ -113,13 +113,16 @@ def _to_numpy(x):
 
 
 def prepare_inputs(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None,
-                   image_grid_thw=None, *, attention: str = "mask") -> JudgeInputs:
+                   image_grid_thw=None, *, attention: str = "mask",
+                   frame_capacity: int | None = None) -> JudgeInputs:
     """Processor tensors (numpy, jax or torch-converted arrays) -> static-shaped ``JudgeInputs``.
 
     ``attention`` picks the text-attention masking: "mask" (a [B,1,T,T] causal+padding mask, any
     padding), "lengths" (causal + per-row key lengths; requires right padding; cuDNN-flash
     eligible) or "auto" (lengths when every row is right-padded). It changes the pytree structure
-    of the result, so a training loop should pick one value and keep it.
+    of the result, so a training loop should pick one value and keep it. ``frame_capacity`` is
+    the vision tower's static patches-per-frame budget (``vision.vision_inputs``); a training loop
+    passes one so that every batch has the same shapes.
     """
     if attention not in ("mask", "lengths", "auto"):
         raise ValueError(f"attention={attention!r}; expected 'mask', 'lengths' or 'auto'")
@@ -141,7 +144,7 @@ def prepare_inputs(cfg: ModelConfig, input_ids, attention_mask=None, pixel_value
         flat = (ids == cfg.image_token_id).reshape(-1)
         image_index = np.where(flat, np.cumsum(flat) - 1, -1).reshape(ids.shape).astype(np.int32)
         pv = pixel_values if isinstance(pixel_values, jax.Array) else _to_numpy(pixel_values)
-        vin = vision_inputs(cfg.vision, pv, grid)
+        vin = vision_inputs(cfg.vision, pv, grid, frame_capacity)
     lengths = mask.sum(-1).astype(np.int32)
     is_prefix = bool(np.all(mask == (np.arange(mask.shape[1])[None, :] < lengths[:, None])))
     if attention == "lengths" and not is_prefix:
@@ -176,7 +179,7 @@ class DecoderLayer(nnx.Module):
         self.sparse = sparse
         self.input_norm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=pdtype)
         self.attn = Attention(t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim,
-                              t.rms_norm_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+                              t.rms_norm_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype, impl=rt.attention)
         self.post_norm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=pdtype)
         if sparse:
             moe_cfg = MoeConfig(d_model=t.hidden_size, d_ff=t.moe_intermediate_size,

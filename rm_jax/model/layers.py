@@ -18,6 +18,11 @@ Design choices:
   which is what transformers' ``create_causal_mask`` builds from a padding mask. Right-padded
   batches (the loader's layout) pass key lengths + ``is_causal`` instead of a materialized
   [B, 1, T, T] mask, which keeps cuDNN's flash kernel eligible on GPU.
+* **On CPU, causal attention is query-blocked** (``blocked_causal_attention``): XLA's CPU path
+  builds the whole [B, N, T, T] logits and is memory-bound on them; query block i only needs
+  keys [0, end of block i], so blocking skips the masked upper triangle (about half the work:
+  2.0x fwd+bwd, 2.9x fwd at [16, 768, 4 heads]). Each block is still one
+  ``dot_product_attention`` call, so the result equals the unblocked one.
 * **Layer stacks.** ``LayerStack`` holds ``n`` structurally identical layers as one module whose
   params have a leading layer axis (logical name ``None``: layers are never sharded). It applies
   them with ``jax.lax.scan`` over ``nnx.merge``-d slices, so compile time is flat in depth, and
@@ -145,12 +150,51 @@ class AttentionMask:
     mask_b1ts: jax.Array | None = None       # general padding (e.g. left padding), causal included
 
 
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "blocked")
+QUERY_BLOCK = 128     # rows per query block on CPU (64-256 measured within 10% of each other)
+
+
+def blocked_causal_attention(q_btnh, k_btkh, v_btkh, mask: AttentionMask, scale: float,
+                             block: int = QUERY_BLOCK):
+    """Causal attention computed one query block at a time against only the keys it can see."""
+    t = q_btnh.shape[1]
+    outs = []
+    for start in range(0, t, block):
+        end = min(start + block, t)
+        q_pos = np.arange(start, end)[:, None]
+        k_pos = np.arange(end)[None, :]
+        if mask.mask_b1ts is not None:
+            m_b1qs = mask.mask_b1ts[:, :, start:end, :end]
+        else:
+            in_len_bs = jnp.arange(end)[None, :] < mask.kv_lengths_b[:, None]
+            m_b1qs = jnp.asarray(k_pos <= q_pos)[None, None] & in_len_bs[:, None, None, :]
+        outs.append(jax.nn.dot_product_attention(q_btnh[:, start:end], k_btkh[:, :end], v_btkh[:, :end],
+                                                 mask=m_b1qs, scale=scale))
+    return jnp.concatenate(outs, axis=1)
+
+
+def causal_attention(q_btnh, k_btkh, v_btkh, mask: AttentionMask, scale: float, impl: str = "auto"):
+    """Causal + padding self-attention through the chosen implementation (``ATTENTION_IMPLS``)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention={impl!r}; expected one of {ATTENTION_IMPLS}")
+    if impl == "auto":
+        long_enough = q_btnh.shape[1] >= 2 * QUERY_BLOCK
+        impl = "blocked" if jax.default_backend() == "cpu" and long_enough else "xla"
+    if impl == "blocked":
+        return blocked_causal_attention(q_btnh, k_btkh, v_btkh, mask, scale)
+    kw = dict(scale=scale, implementation=None if impl == "xla" else impl)
+    if mask.mask_b1ts is not None:
+        return jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, mask=mask.mask_b1ts, **kw)
+    return jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, is_causal=True,
+                                        key_value_seq_lengths=mask.kv_lengths_b, **kw)
+
+
 class Attention(nnx.Module):
     """GQA self-attention with per-head q/k RMSNorm before MRoPE (Qwen3)."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *,
-                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
-        self.n_heads, self.n_kv, self.head_dim, self.dtype = n_heads, n_kv, head_dim, dtype
+                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, impl: str = "auto"):
+        self.n_heads, self.n_kv, self.head_dim, self.dtype, self.impl = n_heads, n_kv, head_dim, dtype, impl
         self.wq_dnh = param(normal(rngs, (d_model, n_heads, head_dim), param_dtype, d_model),
                             ("embed", "heads", "head_dim"))
         self.wk_dkh = param(normal(rngs, (d_model, n_kv, head_dim), param_dtype, d_model),
@@ -181,13 +225,7 @@ class Attention(nnx.Module):
     def __call__(self, x_btd, cos_btd, sin_btd, mask: AttentionMask, *, return_kv: bool = False):
         """``return_kv=True`` also returns ``(k_btkh, v_btkh)`` (a prefill filling a KV cache)."""
         q_btnh, k_btkh, v_btkh = self.project_qkv(x_btd, cos_btd, sin_btd)
-        if mask.mask_b1ts is not None:
-            out_btnh = jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, mask=mask.mask_b1ts,
-                                                    scale=self.head_dim ** -0.5)
-        else:
-            out_btnh = jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, is_causal=True,
-                                                    key_value_seq_lengths=mask.kv_lengths_b,
-                                                    scale=self.head_dim ** -0.5)
+        out_btnh = causal_attention(q_btnh, k_btkh, v_btkh, mask, self.head_dim ** -0.5, self.impl)
         y_btd = self.project_out(out_btnh)
         return (y_btd, (k_btkh, v_btkh)) if return_kv else y_btd
 

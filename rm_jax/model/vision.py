@@ -5,14 +5,18 @@ Design choices:
 
 * **Everything that depends on ``grid_thw`` is computed in numpy outside jit** (``vision_inputs``):
   bilinear interpolation taps/weights of the learned position table, the (h, w) rotary positions,
-  and a per-patch segment id (one segment per frame, transformers' ``cu_seqlens``). The jitted tower
-  then sees only arrays whose shapes depend on the total patch count, so two batches with
-  different image sizes but the same patch budget share one compilation.
+  and the frame-slot layout used by attention (below). The jitted tower then sees only arrays
+  whose shapes depend on the patch budget, the number of frames and the frame capacity, so two
+  batches with different image sizes but the same budgets share one compilation.
 * **Conv3d with stride == kernel is a matmul** on the processor's flattened patches
   ([N, C*T*P*P], channel-major like the Conv3d weight), so the patch embedding is one
   ``[N, C*T*P*P] @ [C*T*P*P, D]``.
-* **Per-image attention** uses a block mask (segment_q == segment_k) through
-  ``jax.nn.dot_product_attention``: equal to transformers' per-chunk attention, static-shaped.
+* **Per-frame attention in frame slots.** transformers attends within each frame (its
+  ``cu_seqlens``). A block mask over all N patches of a batch costs N^2 (4096 patches: 16M logits
+  per head, ~all masked). Instead q/k/v are gathered into ``[F, P]`` slots (F frames, P = the
+  frame capacity, a static budget) and attend with per-slot key lengths -- F*P^2, no materialized
+  mask, and cuDNN-flash eligible on GPU -- then are gathered back to the flat patch order. All
+  the other tower ops are per patch and stay on the flat ``[N, D]`` rows.
 * **Patch order.** The processor emits patches in spatial-merge-block order (each 2x2 block of
   neighbours is contiguous), so the merger is a reshape of 4 consecutive rows, and the rotary and
   position-table indices are generated in that same order (``_block_order_rows_cols``).
@@ -48,7 +52,9 @@ class VisionInputs:
     interp_idx_n4: jax.Array        # [N, 4] int32 taps into the learned position table
     interp_w_n4: jax.Array          # [N, 4] fp32 bilinear weights
     rope_pos_n2: jax.Array          # [N, 2] int32 (row, col) of each patch in its image
-    segment_n: jax.Array            # [N] int32: one id per frame; attention stays inside it
+    frame_rows_fp: jax.Array        # [F, P] int32: flat row of each frame slot's patches (0 past its end)
+    frame_len_f: jax.Array          # [F] int32: patches in each frame (>= 1: padding slots hold one)
+    row_slot_n: jax.Array           # [N] int32: f * P + p of each flat row (padding rows: 0, never read)
 
 
 def _block_order_rows_cols(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -70,10 +76,17 @@ def _bilinear_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray,
     return taps, np.clip(1 - dist, 0, None).astype(np.float32)
 
 
-def vision_inputs(cfg: VisionConfig, pixel_values, grid_thw) -> VisionInputs:
+def frame_capacity_bucket(largest_frame: int, minimum: int = 64) -> int:
+    """The frame capacity when no static one is given: a power of two (few compiles)."""
+    return max(minimum, 1 << max(int(largest_frame) - 1, 0).bit_length())
+
+
+def vision_inputs(cfg: VisionConfig, pixel_values, grid_thw, frame_capacity: int | None = None) -> VisionInputs:
     """Index arrays for the tower. Rows of `pixel_values` beyond sum(t*h*w) are padding (static
-    batch shapes in training): they get segment -1, so they attend only to each other, and
-    their features are never gathered. Zero rows of `grid_thw` are padding images."""
+    batch shapes in training); their features are never gathered. Zero rows of `grid_thw` are
+    padding images: each still gets one (empty) frame slot, so the slot count is static when the
+    grid rows are. ``frame_capacity`` is P, the patches one frame slot holds; None picks a power
+    of two that fits the largest frame (interactive use), a trainer passes its static budget."""
     grid_thw = np.asarray(grid_thw, np.int64).reshape(-1, 3)
     pixel_values = np.asarray(pixel_values) if not isinstance(pixel_values, jax.Array) else pixel_values
     m, side = cfg.spatial_merge_size, int(cfg.num_position_embeddings ** 0.5)
@@ -85,10 +98,10 @@ def vision_inputs(cfg: VisionConfig, pixel_values, grid_thw) -> VisionInputs:
                          f"{grid_thw.tolist()} needs ({n_expected}, {cfg.patch_dim}) "
                          "(= sum(t*h*w), in_channels*temporal_patch_size*patch_size**2), optionally "
                          f"followed by padding rows in multiples of spatial_merge_size**2={m * m}")
-    idx, wts, pos, seg = [], [], [], []
-    frame = 0
+    idx, wts, pos, frame_len = [], [], [], []
     for t, h, w in grid_thw.tolist():
         if t * h * w == 0:
+            frame_len.append(0)
             continue
         if h % m or w % m:
             raise ValueError(f"image grid {(t, h, w)} is not divisible by spatial_merge_size={m}")
@@ -101,18 +114,36 @@ def vision_inputs(cfg: VisionConfig, pixel_values, grid_thw) -> VisionInputs:
             idx.append(frame_idx)
             wts.append(frame_w)
             pos.append(np.stack([rows, cols], -1))
-            seg.append(np.full(h * w, frame))
-            frame += 1
+            frame_len.append(h * w)
     pad = n_rows - n_expected
     idx.append(np.zeros((pad, 4), np.int64))
     wts.append(np.zeros((pad, 4), np.float32))
     pos.append(np.zeros((pad, 2), np.int64))
-    seg.append(np.full(pad, -1))
+    rows_fp, len_f, slot_n = frame_slots(np.asarray(frame_len, np.int64), n_rows, frame_capacity)
     return VisionInputs(pixel_values_nf=pixel_values,
                         interp_idx_n4=np.concatenate(idx).astype(np.int32),
                         interp_w_n4=np.concatenate(wts).astype(np.float32),
                         rope_pos_n2=np.concatenate(pos).astype(np.int32),
-                        segment_n=np.concatenate(seg).astype(np.int32))
+                        frame_rows_fp=rows_fp, frame_len_f=len_f, row_slot_n=slot_n)
+
+
+def frame_slots(frame_len_f: np.ndarray, n_rows: int, capacity: int | None):
+    """Frames laid out back to back in the flat rows -> (rows [F, P], lengths [F], slot of each row [N])."""
+    largest = int(frame_len_f.max(initial=1))
+    p = frame_capacity_bucket(largest) if capacity is None else int(capacity)
+    if largest > p:
+        raise ValueError(f"an image frame has {largest} patches, more than the frame capacity {p} "
+                         "(the image pixel budget: data.image.max_pixels / patch_size**2)")
+    n_frames = max(len(frame_len_f), 1)
+    starts_f = np.concatenate([[0], np.cumsum(frame_len_f)[:-1]]) if len(frame_len_f) else np.zeros(1, np.int64)
+    lens_f = np.zeros(n_frames, np.int64)
+    lens_f[:len(frame_len_f)] = frame_len_f
+    offset_p = np.arange(p)
+    rows_fp = np.where(offset_p[None, :] < lens_f[:, None], starts_f[:, None] + offset_p[None, :], 0)
+    slot_n = np.zeros(n_rows, np.int64)
+    for f, (start, length) in enumerate(zip(starts_f.tolist(), lens_f.tolist())):
+        slot_n[start:start + length] = f * p + np.arange(length)
+    return rows_fp.astype(np.int32), np.maximum(lens_f, 1).astype(np.int32), slot_n.astype(np.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +182,7 @@ class VisionAttention(nnx.Module):
         self.wo_nhd = param(normal(rngs, (n, hd, d), param_dtype, d), ("vis_heads", "head_dim", "vis_embed"))
         self.bo_d = param(jnp.zeros((d,), param_dtype), ("vis_embed",))
 
-    def __call__(self, x_nd, cos_nd, sin_nd, mask_11nn):
+    def __call__(self, x_nd, cos_nd, sin_nd, vin: VisionInputs):
         dt = self.dtype
 
         def proj(w, b):
@@ -163,8 +194,12 @@ class VisionAttention(nnx.Module):
         cos, sin = cos_nd[:, None, :], sin_nd[:, None, :]
         rot = lambda x: (x.astype(jnp.float32) * cos + rotate_half(x.astype(jnp.float32)) * sin).astype(dt)
         q_nkh, k_nkh = rot(q_nkh), rot(k_nkh)
-        out_nkh = jax.nn.dot_product_attention(q_nkh[None], k_nkh[None], v_nkh[None], mask=mask_11nn,
-                                               scale=self.head_dim ** -0.5)[0]
+        to_slots = lambda x_nkh: jnp.take(x_nkh, vin.frame_rows_fp, axis=0)      # [F, P, K, H]
+        out_fpkh = jax.nn.dot_product_attention(to_slots(q_nkh), to_slots(k_nkh), to_slots(v_nkh),
+                                                key_value_seq_lengths=vin.frame_len_f,
+                                                scale=self.head_dim ** -0.5)
+        f, p = vin.frame_rows_fp.shape
+        out_nkh = jnp.take(out_fpkh.reshape(f * p, *out_fpkh.shape[2:]), vin.row_slot_n, axis=0)
         return jnp.einsum("nkh,khd->nd", out_nkh, self.wo_nhd[...].astype(dt)) + self.bo_d[...].astype(dt)
 
 
@@ -177,8 +212,8 @@ class VisionBlock(nnx.Module):
         self.fc1 = Dense(cfg.hidden_size, cfg.intermediate_size, ("vis_embed", "vis_mlp"), **kw)
         self.fc2 = Dense(cfg.intermediate_size, cfg.hidden_size, ("vis_mlp", "vis_embed"), **kw)
 
-    def __call__(self, x_nd, cos_nd, sin_nd, mask_11nn):
-        x_nd = x_nd + self.attn(self.norm1(x_nd), cos_nd, sin_nd, mask_11nn)
+    def __call__(self, x_nd, cos_nd, sin_nd, vin: VisionInputs):
+        x_nd = x_nd + self.attn(self.norm1(x_nd), cos_nd, sin_nd, vin)
         return x_nd + self.fc2(jax.nn.gelu(self.fc1(self.norm2(x_nd)), approximate=True))
 
 
@@ -238,10 +273,9 @@ class VisionModel(nnx.Module):
         x_nd = x_nd + jnp.sum(pos_n4d * vin.interp_w_n4[..., None].astype(pos_n4d.dtype), axis=1).astype(dt)
         x_nd = constrain(x_nd, ("length", "act_embed"))
         cos_nd, sin_nd = vision_rope_cos_sin(vin.rope_pos_n2, cfg.head_dim, cfg.rope_theta)
-        mask_11nn = (vin.segment_n[:, None] == vin.segment_n[None, :])[None, None]
 
         def body(block, x, _):
-            return block(x, cos_nd, sin_nd, mask_11nn), None
+            return block(x, cos_nd, sin_nd, vin), None
 
         deepstack = []
         for (start, end), stack in zip(self.segments, self.blocks):

@@ -58,7 +58,8 @@ def plan_run(train_cfg, stream_len: int) -> RunPlan:
 def model_config(cfg) -> ModelConfig:
     t = cfg.train
     runtime = RuntimeOptions(dtype=t.dtype, param_dtype=t.param_dtype, remat=t.remat,
-                             scan_layers=bool(t.scan_layers), moe_backend=cfg.moe.backend)
+                             scan_layers=bool(t.scan_layers), moe_backend=cfg.moe.backend,
+                             attention=t.get("attention", "auto"))
     return ModelConfig.from_hf_dict(cfg.model.to_dict(), runtime)
 
 
@@ -90,12 +91,19 @@ class HostBatch:
     n_fail: int           # the oversampling ratio, visible in the stream itself
 
 
-def assemble(mcfg: ModelConfig, micro: list[dict]) -> HostBatch:
+def frame_capacity(cfg, mcfg: ModelConfig) -> int:
+    """Patches per vision frame slot: the image budget's largest image (one static shape)."""
+    from rm_jax.data.images import ImageBudget
+    return ImageBudget.from_config(cfg.data.image).max_patches(mcfg.vision.patch_size, mcfg.vision.spatial_merge_size)
+
+
+def assemble(mcfg: ModelConfig, micro: list[dict], frame_capacity: int | None = None) -> HostBatch:
     """Loader batches (numpy) -> one StepBatch with a leading accumulation axis."""
     # The loader right-pads, so attention takes per-row key lengths (cuDNN flash on GPU) instead
     # of a [B, T, T] mask; an all-padding row gets length 1 so its softmax stays finite.
     prepared = [judge_lib.prepare_inputs(mcfg, b["input_ids"], b["attention_mask"], b["pixel_values"],
-                                         b["image_grid_thw"], attention="lengths") for b in micro]
+                                         b["image_grid_thw"], attention="lengths", frame_capacity=frame_capacity)
+                for b in micro]
     prepared = [p.replace(kv_lengths_b=np.maximum(p.kv_lengths_b, 1)) for p in prepared]
     inputs = jax.tree.map(lambda *xs: np.stack(xs), *prepared)
     valid = [b["example_valid"].astype(bool) for b in micro]
@@ -174,7 +182,8 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     writer = MetricsWriter(workdir, resume_step=start, tensorboard=bool(t.tensorboard))
     _write_manifest(workdir, cfg, manifest, data_dir, mesh, plan)
 
-    first = assemble(mcfg, stream.next()) if start < plan.total_steps else None
+    capacity = frame_capacity(cfg, mcfg)
+    first = assemble(mcfg, stream.next(), capacity) if start < plan.total_steps else None
     if first is not None:
         shardings = builder.batch_shardings(first.batch)
         with jax.set_mesh(mesh):
@@ -193,7 +202,7 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     t_log, tokens_since, samples_since, fails_since = time.time(), 0, 0, 0
     try:
         while step < plan.total_steps:
-            host = pending if pending is not None else assemble(mcfg, stream.next())
+            host = pending if pending is not None else assemble(mcfg, stream.next(), capacity)
             pending = None
             check_target_budget(host.batch.target_mask.reshape(-1, host.batch.target_mask.shape[-1]),
                                 int(t.max_target_tokens))
@@ -237,7 +246,7 @@ def evaluate(builder: StepBuilder, cfg, mcfg, state, plan: RunPlan, mesh) -> flo
     for i, micro in enumerate(stream.it):
         if limit and i >= limit:
             break
-        batch = assemble(mcfg, [micro]).batch
+        batch = assemble(mcfg, [micro], frame_capacity(cfg, mcfg)).batch
         dev = host_batch_to_device(batch, builder.batch_shardings(batch))
         with jax.set_mesh(mesh):
             m = jax.device_get(builder.jit_eval()(state.params, builder.rest, dev))
