@@ -224,8 +224,7 @@ def compile_variant(name, f):
     from rm_jax.model import judge as judge_lib
     from rm_jax.sharding import make_mesh
     from rm_jax.train import loop, optim
-    from rm_jax.train.loss import LossConfig
-    from rm_jax.train.step import StepBuilder, StepConfig
+    from rm_jax.train.step import StepBuilder
 
     base, _, acc = name.partition("@")      # "fsdp8@1": variant fsdp8 with grad_accum 1
     axes, backend, images, rules = VARIANTS[base]
@@ -246,8 +245,7 @@ def compile_variant(name, f):
     model = judge_lib.abstract_model(mcfg)
     ocfg = dataclasses.replace(optim.OptimConfig.from_config(cfg.train), total_steps=2299)
     optimizer = optim.make_optimizer(ocfg, model)
-    step_cfg = StepConfig(loss=LossConfig(int(cfg.train.max_target_tokens), int(cfg.train.vocab_chunk)),
-                          lb_coef=float(cfg.moe.lb_coef), z_coef=float(cfg.moe.z_coef))
+    step_cfg = loop.step_config(cfg)
     # StepBuilder only splits the model in __init__; init_state() would allocate, so the state is
     # built here with eval_shape and the builder's shardings are read off the ShapeDtypeStructs.
     builder = StepBuilder(model, optimizer, step_cfg, mesh, optim.schedule(ocfg))

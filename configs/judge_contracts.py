@@ -33,6 +33,20 @@ TEXT_ONLY_CONTRACT = (
     "because this turn has no tool call; any such reason is itself a misjudgement. " + OUTPUT_FORMAT
 )
 
+# Compact contracts for the embedded default (configs/tiny.py). A randomly initialized CPU judge
+# cannot read instructions; for it the contract is a constant prefix that names the route and the
+# issue vocabulary. The long texts above cost it ~110 tokens per sample (a third of the training
+# time at the tiny sequence lengths) for nothing. Real judges (a policy's SFT checkpoint) use the
+# full texts.
+COMPACT_OUTPUT_FORMAT = 'JSON: {"l3": "pass"|"fail", "reason", "issues", "img": 0-10 or null}.'
+TOOL_CALL_CONTRACT_COMPACT = (
+    "Judge the tool call. Issues: wrong_tool, missing_param, wrong_param, extra_call, "
+    "image_mismatch. " + COMPACT_OUTPUT_FORMAT)
+TEXT_ONLY_CONTRACT_COMPACT = (
+    "Judge the text answer (no tool call; never cite a tool-call field). Issues: "
+    "false_completion_claim, should_have_called_tool, contradicts_request_or_tool_result, "
+    "text_hallucination, ignores_user_correction. " + COMPACT_OUTPUT_FORMAT)
+
 TOOL_CALL_ISSUES = ("wrong_tool", "missing_param", "wrong_param", "extra_call", "image_mismatch")
 TEXT_ONLY_ISSUES = ("false_completion_claim", "should_have_called_tool",
                     "contradicts_request_or_tool_result", "text_hallucination",

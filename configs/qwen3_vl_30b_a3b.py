@@ -10,7 +10,7 @@ Usage: --config=configs/qwen3_vl_30b_a3b.py
 
 import ml_collections
 
-from configs import tiny
+from configs import judge_contracts, tiny
 
 
 def model_config() -> ml_collections.ConfigDict:
@@ -69,8 +69,11 @@ def get_config() -> ml_collections.ConfigDict:
     cfg.data.buckets = (2048, 4096, 6144, 8192)
     cfg.data.image.max_pixels = 1024 * 32 * 32      # 1024 merged tokens per image (policy budget)
     cfg.data.image.min_pixels = 256 * 32 * 32
-    cfg.train.update(dict(lr=5e-6, global_batch=32, grad_accum=1, epochs=2.0, warmup_steps=50,
+    cfg.data.tool_contract = judge_contracts.TOOL_CALL_CONTRACT      # the report's full judge contracts
+    cfg.data.text_contract = judge_contracts.TEXT_ONLY_CONTRACT
+    cfg.train.update(dict(lr=5e-6, global_batch=32, grad_accum=4, epochs=2.0, warmup_steps=50,
                           dtype="bfloat16", param_dtype="float32", mu_dtype="bfloat16", remat="full",
+                          expert_grad_dtype="bfloat16",
                           max_target_tokens=192,
                           vocab_chunk=16384, max_patches=32 * 4096, max_images=64,
                           checkpoint_every=100, eval_every=100))

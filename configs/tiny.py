@@ -61,8 +61,8 @@ def data_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         dir="",                      # built shards (launch.build_data --out)
         tokenizer="",                # tokenizer dir; default: <input folder>/tokenizer
-        max_len=1024,                # text + image tokens; longer samples are rejected as too_long
-        buckets=(512, 768, 1024),  # padded lengths: static shapes, few compiles
+        max_len=512,                 # text + image tokens; longer samples are rejected as too_long
+        buckets=(256, 384, 512),     # padded lengths: static shapes, few compiles
         field_order=("l3", "reason", "issues", "img"),  # verdict first; reason-first is ablation only
         oversample_fail=3,           # failures repeated x3 in the training split only
         heldout_fraction=0.15,       # by prompt_id
@@ -74,8 +74,9 @@ def data_config() -> ml_collections.ConfigDict:
             max_image_tokens=1024,   # per-image cap on merged tokens
             thumbnail_edge=512,      # teacher requests
         ),
-        tool_contract=judge_contracts.TOOL_CALL_CONTRACT,
-        text_contract=judge_contracts.TEXT_ONLY_CONTRACT,
+        # The compact contracts: a random-init judge cannot read the full ones (judge_contracts).
+        tool_contract=judge_contracts.TOOL_CALL_CONTRACT_COMPACT,
+        text_contract=judge_contracts.TEXT_ONLY_CONTRACT_COMPACT,
     ))
 
 
@@ -98,6 +99,7 @@ def train_config() -> ml_collections.ConfigDict:
         dtype="float32",             # compute dtype (bfloat16 on GPU)
         param_dtype="float32",       # master weights + optimizer state
         mu_dtype="",                 # Adam first moment dtype ("" = param dtype)
+        expert_grad_dtype="",        # expert-weight gradient dtype ("" = param dtype; bfloat16 saves memory)
         remat="none",
         attention="auto",            # text attention: query-blocked on CPU, dot_product_attention on GPU
         scan_layers=True,

@@ -44,3 +44,20 @@ def test_unknown_implementation_is_refused():
     q, k, v = _qkv(1, 8, 2, 1, 4)
     with pytest.raises(ValueError, match="attention='flash'"):
         causal_attention(q, k, v, AttentionMask(kv_lengths_b=jnp.asarray([8])), 1.0, "flash")
+
+
+def test_vision_frame_slots_round_trip_and_capacity():
+    """Frames laid back to back -> [F, P] slots and back; padding images keep a slot; a frame
+    over the static capacity is refused with the budget named."""
+    from rm_jax.model.vision import frame_slots
+    lens = np.array([12, 0, 20, 4])                 # a padding image (0) between real ones
+    n_rows = 40                                     # 36 real rows + 4 padding rows
+    rows_fp, len_f, slot_n = frame_slots(lens, n_rows, capacity=32)
+    assert rows_fp.shape == (4, 32) and len_f.tolist() == [12, 1, 20, 4]
+    flat = np.arange(n_rows)
+    gathered = flat[rows_fp].reshape(-1)
+    np.testing.assert_array_equal(gathered[slot_n[:36]], flat[:36])      # back to the flat order
+    assert rows_fp[2, :20].tolist() == list(range(12, 32)) and rows_fp[3, :4].tolist() == [32, 33, 34, 35]
+    assert frame_slots(lens, n_rows, capacity=None)[0].shape == (4, 64)   # power-of-two bucket
+    with pytest.raises(ValueError, match="frame capacity 16"):
+        frame_slots(lens, n_rows, capacity=16)

@@ -72,7 +72,7 @@ def test_sharded_step_equals_single_device(tiny_cfg, built_shards):
                               StepConfig(LossConfig(96, 512), lb_coef=0.01), mesh, optim.schedule(ocfg))
         state = builder.init_state()
         stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, plan, split="train"), 1)
-        host = loop.assemble(mcfg, stream.next())
+        host = loop.assemble(mcfg, stream.next(), loop.frame_capacity(cfg, mcfg))
         batch = host_batch_to_device(host.batch, builder.batch_shardings(host.batch))
         with jax.set_mesh(mesh):
             fn = builder.jit_train(state, batch)
@@ -158,3 +158,34 @@ def test_oversampling_visible_in_training_stream(tiny_cfg, built_shards):
     # whole batches of the first epoch: the stream's fail share is 3x the data's, within one batch
     expected = 3 * labels.sum() / epoch
     assert abs(fails / seen - expected) <= 8 / seen
+
+
+def test_expert_grads_in_compute_dtype(tiny_cfg, built_shards):
+    """expert_grad_dtype=bf16 is exact: the gradient through the model's own cast to bf16 is
+    already bf16-valued, so only its storage shrinks. Same loss and gradients bit for bit, an fp32
+    accumulator; a dtype other than the compute dtype is refused."""
+    cfg = _cfg(tiny_cfg, built_shards[0], dtype="bfloat16", global_batch=4)
+    mesh = loop.make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=2)
+    plan = loop.RunPlan(total_steps=1, micro_batch=2, accumulation=2, steps_per_epoch=10.0)
+    model, mcfg = loop.build_model(cfg, mesh)
+    stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, plan, split="train"), 2)
+    host = loop.assemble(mcfg, stream.next(), loop.frame_capacity(cfg, mcfg))
+    ocfg = optim.OptimConfig(lr=1e-3, warmup_steps=1, total_steps=2)
+    out = {}
+    for dt in ("", "bfloat16"):
+        builder = StepBuilder(model, optim.make_optimizer(ocfg, model), StepConfig(LossConfig(96, 512),
+                              expert_grad_dtype=dt), mesh)
+        with jax.set_mesh(mesh):
+            grads, metrics = jax.jit(lambda p, r, b: builder._accumulate(p, r, b, with_grad=True))(
+                builder._params, builder.rest, host.batch)
+        out[dt] = jax.device_get((jax.tree.leaves(grads), metrics, builder._expert_leaf))
+    (g32, m32, is_expert), (g16, m16, _) = out[""], out["bfloat16"]
+    assert m16["loss"] == m32["loss"]
+    assert sum(is_expert) == 3 * 2          # gate, up, down of the 2 sparse layers
+    for a, b in zip(g32, g16):
+        assert b.dtype == a.dtype == np.float32            # the accumulator stays fp32
+        np.testing.assert_array_equal(b, a)
+    cfg32 = _cfg(tiny_cfg, built_shards[0])
+    model32, _ = loop.build_model(cfg32, mesh)
+    with pytest.raises(ValueError, match="compute dtype"):
+        StepBuilder(model32, optim.make_optimizer(ocfg, model32), StepConfig(expert_grad_dtype="bfloat16"), mesh)

@@ -35,7 +35,7 @@ Design choices
   that a logistic regression on surface features stays near AUC 0.5.
 * **Learnable by a tiny judge.** The contradicting value is a short token (``2K``, ``16:9``,
   ``3``, ``red``, ``star``, a file name) that also appears in the request or the tool result, and
-  conversations stay short: a handful of turns, 4-5 tool schemas, 0-2 small images.
+  conversations stay short: a handful of turns, 1-2 tool schemas, 0-2 small images.
 * **Images are real.** Reference images and every image a tool result names are PNGs drawn with
   PIL (known colour and shape on a plain background; non-square reference sizes 48-96 px;
   generated images at the requested aspect ratio, scaled down). What a tool "produced" can
@@ -92,8 +92,9 @@ def _fn(name: str, desc: str, props: dict, required: list[str]) -> dict:
 
 
 # The catalogue: 13 tools, as OpenAI function schemas. Property descriptions are left out and
-# each sample lists only 2-3 tools, because the judge input lists them and the tiny judge has a
-# ~600-token text budget; the enums, types, ranges and "required" lists (what a judge checks)
+# each sample lists only 1-2 tools (a spare only where choosing the tool is judged), because the
+# judge input lists them and the tiny judge has a
+# ~400-token text budget; the enums, types, ranges and "required" lists (what a judge checks)
 # stay.
 TOOLS: dict[str, dict] = {t["function"]["name"]: t for t in (
     _fn("generate_image", "Create new images from a text prompt.", {
@@ -262,7 +263,7 @@ def _tool_message(rng: np.random.Generator, name: str, payload: dict) -> dict:
     return msg
 
 
-def _tool_subset(rng: np.random.Generator, needed: list[str], n_total: int = 2) -> list[dict]:
+def _tool_subset(rng: np.random.Generator, needed: list[str], n_total: int) -> list[dict]:
     names = list(dict.fromkeys(needed))
     pool = [t for t in TOOLS if t not in names]
     while len(names) < n_total:
@@ -367,7 +368,7 @@ def _build_generate(rng: np.random.Generator, k: int, images: ImageWriter) -> Pr
                      ).format(n=_plural(spec.count), c=spec.colour, s=spec.shape, r=res_part, a=spec.aspect)
         user = {"role": "user", "content": text}
     messages = [_system(rng), user]
-    tools = _tool_subset(rng, ["generate_image"])
+    tools = _tool_subset(rng, ["generate_image"], n_total=1)
 
     def respond(r: np.random.Generator, fail: bool, j: int, _n: int) -> Judged:
         vals = {"colour": spec.colour, "shape": spec.shape, "resolution": spec.resolution,
@@ -539,7 +540,7 @@ def _build_delivery(rng: np.random.Generator, k: int, images: ImageWriter) -> Pr
                 {"role": "assistant", "content": _pick(rng, ("Working on it.", "Generating now."))},
                 _tool_message(rng, "generate_image", {"status": "ok", "images": [
                     {"image": g.path, "width": w, "height": h} for g in gens]})]
-    tools = _tool_subset(rng, ["generate_image"])
+    tools = _tool_subset(rng, ["generate_image"], n_total=1)
     own_file = f"gen_{k}_0.png"
 
     def respond(r: np.random.Generator, fail: bool, j: int, n_prompts: int) -> Judged:
@@ -598,7 +599,7 @@ def _build_clarify(rng: np.random.Generator, k: int, images: ImageWriter) -> Pro
     else:
         user = {"role": "user", "content": f"Make {n_part} of a {spec.colour} {spec.shape}, " + ", ".join(bits) + "."}
     messages = [_system(rng), user]
-    tools = _tool_subset(rng, ["generate_image"])
+    tools = _tool_subset(rng, ["generate_image"], n_total=1)
 
     def respond(r: np.random.Generator, fail: bool, j: int, _n: int) -> Judged:
         slot, issue = missing, None
@@ -639,7 +640,7 @@ def _build_refuse(rng: np.random.Generator, k: int, images: ImageWriter, fail_ra
     else:
         user = {"role": "user", "content": f"Make {_plural(n)} of a {spec.colour} {spec.shape}, {tail}"}
     messages = [_system(rng), user]
-    tools = _tool_subset(rng, ["generate_image"])
+    tools = _tool_subset(rng, ["generate_image"], n_total=1)
 
     def respond(r: np.random.Generator, _fail: bool, j: int, _n: int) -> Judged:
         if fail:
@@ -685,7 +686,7 @@ def _build_correction(rng: np.random.Generator, k: int, images: ImageWriter) -> 
                      "content": f"Here is a {done.colour} {done.shape} at {done.resolution}, {done.aspect}."})
     messages.append({"role": "user", "content": _pick(rng, (
         "No, I asked for {new}, not {old}.", "That's {old}; I wanted {new}.")).format(new=new, old=old)})
-    tools = _tool_subset(rng, ["generate_image"])
+    tools = _tool_subset(rng, ["generate_image"], n_total=1)
 
     def respond(r: np.random.Generator, fail: bool, j: int, _n: int) -> Judged:
         if fail:
@@ -776,7 +777,8 @@ def dumps(sample: dict) -> str:
 
 # Everything the judge will read, for training the tokenizer on the right distribution.
 def corpus_texts(samples: list[dict]) -> list[str]:
-    texts: list[str] = [judge_contracts.TOOL_CALL_CONTRACT, judge_contracts.TEXT_ONLY_CONTRACT]
+    texts: list[str] = [judge_contracts.TOOL_CALL_CONTRACT, judge_contracts.TEXT_ONLY_CONTRACT,
+                        judge_contracts.TOOL_CALL_CONTRACT_COMPACT, judge_contracts.TEXT_ONLY_CONTRACT_COMPACT]
     texts += [json.dumps(t, ensure_ascii=False) for t in TOOLS.values()]
     for s in samples:
         texts += [json.dumps(t, ensure_ascii=False) for t in s["tools"]]

@@ -84,6 +84,13 @@ def build_model(cfg, mesh):
     return model, mcfg
 
 
+def step_config(cfg) -> StepConfig:
+    t = cfg.train
+    return StepConfig(loss=LossConfig(int(t.max_target_tokens), int(t.vocab_chunk)),
+                      lb_coef=float(cfg.moe.lb_coef), z_coef=float(cfg.moe.z_coef),
+                      expert_grad_dtype=str(t.get("expert_grad_dtype", "")))
+
+
 @dataclasses.dataclass(frozen=True)
 class HostBatch:
     batch: StepBatch
@@ -97,7 +104,7 @@ def frame_capacity(cfg, mcfg: ModelConfig) -> int:
     return ImageBudget.from_config(cfg.data.image).max_patches(mcfg.vision.patch_size, mcfg.vision.spatial_merge_size)
 
 
-def assemble(mcfg: ModelConfig, micro: list[dict], frame_capacity: int | None = None) -> HostBatch:
+def assemble(mcfg: ModelConfig, micro: list[dict], frame_capacity: int) -> HostBatch:
     """Loader batches (numpy) -> one StepBatch with a leading accumulation axis."""
     # The loader right-pads, so attention takes per-row key lengths (cuDNN flash on GPU) instead
     # of a [B, T, T] mask; an all-padding row gets length 1 so its softmax stays finite.
@@ -164,8 +171,7 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
 
     model, mcfg = build_model(cfg, mesh)
     ocfg = dataclasses.replace(optim.OptimConfig.from_config(t), total_steps=plan.total_steps)
-    step_cfg = StepConfig(loss=LossConfig(int(t.max_target_tokens), int(t.vocab_chunk)),
-                          lb_coef=float(cfg.moe.lb_coef), z_coef=float(cfg.moe.z_coef))
+    step_cfg = step_config(cfg)
     builder = StepBuilder(model, optim.make_optimizer(ocfg, model), step_cfg, mesh, optim.schedule(ocfg))
     state = builder.init_state()
 

@@ -8,6 +8,13 @@
   is exactly the loss of one big batch (not a mean of per-microbatch means).
 * Master weights and optimizer state live in `param_dtype` (fp32); the model casts to its
   compute dtype (bf16 on GPU) at use.
+* `expert_grad_dtype` (= the compute dtype, e.g. bf16): the routed-expert weights, ~95% of a
+  30B-A3B model, are cast to it *before* differentiation, so their per-microbatch gradients (and
+  the gradient reduce-scatters) are stored in bf16 and summed into an fp32 accumulator. This is
+  exact, not an approximation: the MoE casts those weights to the compute dtype at use anyway, so
+  their gradient is bf16-valued either way (the cast's transpose only widens it). What changes is
+  the storage of one gradient tree during accumulation (the 30B memory plan: about -7 GiB per
+  device).
 * The MoE load-balancing (and optional z-) loss enter the objective with configurable
   coefficients and are logged separately, with per-expert load and its imbalance (max/mean).
 """
@@ -49,6 +56,7 @@ class StepConfig:
     loss: LossConfig = LossConfig()
     lb_coef: float = 0.0
     z_coef: float = 0.0
+    expert_grad_dtype: str = ""     # "" = the parameter dtype
 
 
 class StepBuilder:
@@ -61,6 +69,16 @@ class StepBuilder:
         self.trace_count = 0          # a test asserts one trace per run
         self._params = params
         self._train = self._eval = None
+        compute = model.cfg.runtime.dtype
+        if cfg.expert_grad_dtype and jnp.dtype(cfg.expert_grad_dtype) != jnp.dtype(compute):
+            # Casting earlier than the model does is only exact in the dtype it casts to.
+            raise ValueError(f"expert_grad_dtype={cfg.expert_grad_dtype!r} must be '' or the compute "
+                             f"dtype {compute!r}")
+        # Which flattened param leaves are routed-expert weights (logical axis "exp").
+        is_var = lambda x: isinstance(x, nnx.Variable)
+        self._expert_leaf = [("exp" in (v.get_metadata().get("out_sharding") or ()))
+                             for v in jax.tree.leaves(params, is_leaf=is_var)]
+        assert len(self._expert_leaf) == len(jax.tree.leaves(params))
 
     # -- state --------------------------------------------------------------------------------
 
@@ -101,8 +119,19 @@ class StepBuilder:
         objective = tl.loss_sum / n_total + (self.cfg.lb_coef * lb + self.cfg.z_coef * z) / n_micro
         return objective, (tl.loss_sum, tl.n_tokens, lb, z, counts)
 
+    def _grad_view(self, params):
+        """The params as differentiated: expert weights in `expert_grad_dtype` when set."""
+        if not self.cfg.expert_grad_dtype:
+            return params
+        dt = jnp.dtype(self.cfg.expert_grad_dtype)
+        leaves, treedef = jax.tree.flatten(params)
+        return jax.tree.unflatten(treedef, [x.astype(dt) if low else x for x, low in zip(leaves, self._expert_leaf)])
+
     def _accumulate(self, params, rest, batch: StepBatch, with_grad: bool):
         n_micro = batch.target_mask.shape[0]
+        master = params
+        if with_grad:
+            params = self._grad_view(params)
         n_total = jnp.maximum(jnp.sum(batch.target_mask.astype(jnp.float32)), 1.0)
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
@@ -115,7 +144,7 @@ class StepBuilder:
                 g = None
             acc_g, acc = carry
             acc = jax.tree.map(jnp.add, acc, extras)
-            acc_g = jax.tree.map(jnp.add, acc_g, g) if with_grad else acc_g
+            acc_g = jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc_g, g) if with_grad else acc_g
             return (acc_g, acc), None
 
         n_exp = self._n_experts()
@@ -124,11 +153,13 @@ class StepBuilder:
             inputs, mask = jax.tree.map(lambda x: x[0], (batch.inputs, batch.target_mask))
             if with_grad:
                 (_, extras), grads = grad_fn(params, rest, inputs, mask, n_total, 1)
+                grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)   # fused into the update
             else:
                 _, extras = self._micro_loss(params, rest, inputs, mask, n_total, 1)
                 grads = None
             return grads, self._metrics(*extras, n_micro=1, n_exp=n_exp)
-        zeros_g = jax.tree.map(jnp.zeros_like, params) if with_grad else None
+        # The accumulator stays in the master dtype (fp32) whatever the microbatch gradients are.
+        zeros_g = jax.tree.map(jnp.zeros_like, master) if with_grad else None
         zeros = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros((n_exp,)))
         (grads, extras), _ = jax.lax.scan(body, (zeros_g, zeros), (batch.inputs, batch.target_mask))
         return grads, self._metrics(*extras, n_micro=n_micro, n_exp=n_exp)
