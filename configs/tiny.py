@@ -103,6 +103,7 @@ def train_config() -> ml_collections.ConfigDict:
         remat="none",
         attention="auto",            # text attention: query-blocked on CPU, dot_product_attention on GPU
         scan_layers=True,
+        verdict_weight=1.0,          # loss weight of the verdict token (1.0 = plain token mean)
         max_target_tokens=96,        # static per-example target budget (never truncated: checked)
         vocab_chunk=2048,
         max_patches=4096,            # per microbatch, static

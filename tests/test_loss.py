@@ -76,3 +76,29 @@ def test_target_budget_guard():
     with pytest.raises(ValueError, match="max_target_tokens=4"):
         loss_lib.check_target_budget(np.ones((2, 9)), 4)
     loss_lib.check_target_budget(np.ones((2, 4)), 4)
+
+
+def test_verdict_weight_is_a_weighted_token_mean():
+    """A target mask holding weights (train.verdict_weight) weights each token's NLL and the count."""
+    from rm_jax.train.loop import weighted_target_mask
+    rng = np.random.default_rng(2)
+    B, T, D, V = 2, 12, 6, 29
+    final = rng.normal(size=(B, T, D)).astype(np.float32)
+    head = rng.normal(size=(D, V)).astype(np.float32)
+    ids = rng.integers(0, V, size=(B, T)).astype(np.int32)
+    mask = np.zeros((B, T), np.uint8)
+    mask[0, 6:11] = 1
+    batch = {"target_mask": mask, "verdict_pos": np.array([8, 3]), "example_valid": np.array([1, 0])}
+    weighted = weighted_target_mask(batch, 5.0)
+    assert weighted[0, 8] == 5.0 and weighted[1].sum() == 0      # a padding row stays target-free
+    assert weighted_target_mask(batch, 1.0) is mask
+    cfg = loss_lib.LossConfig(max_target_tokens=8, vocab_chunk=8)
+    out = loss_lib.target_cross_entropy(final, head, ids, weighted, cfg)
+    per_token = {}
+    for t in range(6, 11):
+        one = np.zeros_like(mask)
+        one[0, t] = 1
+        per_token[t] = float(loss_lib.target_cross_entropy(final, head, ids, one, cfg).loss_sum)
+    expect = sum(per_token.values()) + 4.0 * per_token[8]
+    np.testing.assert_allclose(float(out.loss_sum), expect, rtol=1e-5)
+    assert float(out.n_tokens) == 5 + 4

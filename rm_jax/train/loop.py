@@ -104,7 +104,22 @@ def frame_capacity(cfg, mcfg: ModelConfig) -> int:
     return ImageBudget.from_config(cfg.data.image).max_patches(mcfg.vision.patch_size, mcfg.vision.spatial_merge_size)
 
 
-def assemble(mcfg: ModelConfig, micro: list[dict], frame_capacity: int) -> HostBatch:
+def weighted_target_mask(b: dict, verdict_weight: float) -> np.ndarray:
+    """The loader's 0/1 target mask, with the verdict token weighted (1.0: the plain token mean).
+    The verdict is one token of a few dozen in the target; its weight lets the one token the
+    reward reads compete with the reason's tokens for the gradient."""
+    mask = b["target_mask"]
+    if verdict_weight == 1.0:
+        return mask
+    mask = mask.astype(np.float32)
+    rows = np.flatnonzero(b["example_valid"].astype(bool))
+    pos = b["verdict_pos"][rows]
+    on_target = mask[rows, pos] > 0          # never turns a non-target token into one
+    mask[rows[on_target], pos[on_target]] = verdict_weight
+    return mask
+
+
+def assemble(mcfg: ModelConfig, micro: list[dict], frame_capacity: int, verdict_weight: float = 1.0) -> HostBatch:
     """Loader batches (numpy) -> one StepBatch with a leading accumulation axis."""
     # The loader right-pads, so attention takes per-row key lengths (cuDNN flash on GPU) instead
     # of a [B, T, T] mask; an all-padding row gets length 1 so its softmax stays finite.
@@ -114,7 +129,8 @@ def assemble(mcfg: ModelConfig, micro: list[dict], frame_capacity: int) -> HostB
     prepared = [p.replace(kv_lengths_b=np.maximum(p.kv_lengths_b, 1)) for p in prepared]
     inputs = jax.tree.map(lambda *xs: np.stack(xs), *prepared)
     valid = [b["example_valid"].astype(bool) for b in micro]
-    return HostBatch(StepBatch(inputs=inputs, target_mask=np.stack([b["target_mask"] for b in micro])),
+    return HostBatch(StepBatch(inputs=inputs, target_mask=np.stack([weighted_target_mask(b, verdict_weight)
+                                                                    for b in micro])),
                      n_examples=int(sum(v.sum() for v in valid)),
                      n_fail=int(sum((b["label"][v] == 1).sum() for b, v in zip(micro, valid))))
 
@@ -188,8 +204,8 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     writer = MetricsWriter(workdir, resume_step=start, tensorboard=bool(t.tensorboard))
     _write_manifest(workdir, cfg, manifest, data_dir, mesh, plan)
 
-    capacity = frame_capacity(cfg, mcfg)
-    first = assemble(mcfg, stream.next(), capacity) if start < plan.total_steps else None
+    capacity, verdict_weight = frame_capacity(cfg, mcfg), float(t.get("verdict_weight", 1.0))
+    first = assemble(mcfg, stream.next(), capacity, verdict_weight) if start < plan.total_steps else None
     if first is not None:
         shardings = builder.batch_shardings(first.batch)
         with jax.set_mesh(mesh):
@@ -208,7 +224,7 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     t_log, tokens_since, samples_since, fails_since = time.time(), 0, 0, 0
     try:
         while step < plan.total_steps:
-            host = pending if pending is not None else assemble(mcfg, stream.next(), capacity)
+            host = pending if pending is not None else assemble(mcfg, stream.next(), capacity, verdict_weight)
             pending = None
             check_target_budget(host.batch.target_mask.reshape(-1, host.batch.target_mask.shape[-1]),
                                 int(t.max_target_tokens))

@@ -44,7 +44,7 @@ def target_positions(target_mask_bt: jax.Array, k: int) -> tuple[jax.Array, jax.
 
 def check_target_budget(target_mask_bt: np.ndarray, k: int) -> None:
     """Host-side guard: a target longer than K would be silently cut by the static gather."""
-    longest = int(np.asarray(target_mask_bt).sum(-1).max(initial=0))
+    longest = int((np.asarray(target_mask_bt) > 0).sum(-1).max(initial=0))
     if longest > k:
         raise ValueError(f"a target has {longest} tokens > train.max_target_tokens={k}; raise it "
                          f"(targets are never truncated)")
@@ -88,15 +88,20 @@ class TargetLoss:
 
 def target_cross_entropy(final_btd: jax.Array, head_dv: jax.Array, input_ids_bt: jax.Array,
                          target_mask_bt: jax.Array, cfg: LossConfig) -> TargetLoss:
-    """Token-sum NLL of target tokens given the final (normed) hidden states and the LM head."""
+    """Token-sum NLL of target tokens given the final (normed) hidden states and the LM head.
+
+    ``target_mask_bt`` is 0 off target and the token's weight on it: 1 everywhere by default (the
+    plain token mean); ``train.verdict_weight`` raises the verdict token's. ``n_tokens`` is the
+    weight sum, so ``loss_sum / n_tokens`` stays a (weighted) per-token mean."""
     pos_bk, valid_bk = target_positions(target_mask_bt, cfg.max_target_tokens)
     h_bkd = jnp.take_along_axis(final_btd, pos_bk[..., None], axis=1)
     labels_bk = jnp.take_along_axis(input_ids_bt, pos_bk + 1, axis=1, mode="clip")
     b, k, d = h_bkd.shape
     lse_n, pick_n = chunked_logsumexp_and_pick(h_bkd.reshape(b * k, d), head_dv, labels_bk.reshape(-1),
                                                cfg.vocab_chunk)
-    valid_n = valid_bk.reshape(-1).astype(jnp.float32)
-    return TargetLoss(loss_sum=jnp.sum((lse_n - pick_n) * valid_n), n_tokens=jnp.sum(valid_n))
+    weight_bk = jnp.take_along_axis(target_mask_bt.astype(jnp.float32), pos_bk + 1, axis=1, mode="clip")
+    weight_n = (weight_bk * valid_bk).reshape(-1)
+    return TargetLoss(loss_sum=jnp.sum((lse_n - pick_n) * weight_n), n_tokens=jnp.sum(weight_n))
 
 
 jax.tree_util.register_dataclass(TargetLoss, data_fields=["loss_sum", "n_tokens"], meta_fields=[])
