@@ -85,7 +85,7 @@ def train_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         init_from="",                # HF checkpoint dir of the policy; "" = random init (embedded default)
         steps=0,                     # 0: derive from epochs
-        epochs=1.25,                 # fits the 10-minute CPU budget (~3.6 s per step on 2 cores)
+        epochs=0.65,                 # the demo's 10k samples: ~540 steps, under 10 min on 2 CPU cores
         global_batch=16,
         grad_accum=1,
         lr=1e-3,                     # a random-init tiny model needs far more than the 5e-6 of a real SFT start
@@ -103,16 +103,19 @@ def train_config() -> ml_collections.ConfigDict:
         remat="none",
         attention="auto",            # text attention: query-blocked on CPU, dot_product_attention on GPU
         scan_layers=True,
-        verdict_weight=1.0,          # loss weight of the verdict token (1.0 = plain token mean)
+        # Loss weight of the verdict token (1.0 = plain token mean). A random-init judge learns the
+        # reason's easy tokens first; weighting the one token the reward reads lifted held-out AUC
+        # from ~0.63 to ~0.67 at 600 steps (tiny, synthetic set).
+        verdict_weight=8.0,
         max_target_tokens=96,        # static per-example target budget (never truncated: checked)
         vocab_chunk=2048,
         max_patches=4096,            # per microbatch, static
         max_images=32,
-        checkpoint_every=50,
+        checkpoint_every=100,
         keep=0,                      # 0 = keep every checkpoint (the sweep scores them all)
         async_checkpoint=True,
-        eval_every=50,
-        eval_batches=0,              # 0 = the whole held-out split
+        eval_every=100,
+        eval_batches=32,             # held-out batches per validation (0 = the whole split)
         log_every=10,
         tensorboard=True,
     ))
