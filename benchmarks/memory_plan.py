@@ -230,6 +230,9 @@ def compile_variant(name, f):
     axes, backend, images, rules = VARIANTS[base]
     cfg = qwen3_vl_30b_a3b.get_config()
     cfg.moe.backend = backend
+    # The GPU path: "auto" resolves to jax.nn.dot_product_attention off CPU (the CPU-only blocked
+    # attention would hide the full-length call that --attention=chunked stands in for).
+    cfg.train.attention = "xla"
     cfg.mesh = type(cfg.mesh)({**dict(data=1, fsdp=1, expert=1, tensor=1), **axes})
     a, gb, t = int(acc or f.grad_accum), f.global_batch, f.seq
     cfg.train.grad_accum = a
