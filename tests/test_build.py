@@ -1,5 +1,6 @@
 """Build: counts add up, no split leakage, oversampling recorded, bad input gets reasons."""
 
+import dataclasses
 import json
 import os
 
@@ -75,7 +76,8 @@ def _bad_input(synth_dir, tmp_path):
 def test_bad_input_every_row_accounted(tiny_cfg, synth_dir, renderer, tmp_path):
     path, good_ids = _bad_input(synth_dir, tmp_path)
     out = tmp_path / "shards"
-    opts = build.BuildOptions.from_config(tiny_cfg.data)
+    # Room for every good row: this test is about malformed rows, not length (test_too_long_...).
+    opts = dataclasses.replace(build.BuildOptions.from_config(tiny_cfg.data), max_len=1024)
     result = build.build(path, str(out), renderer, opts, progress=False)
     s = result.stats
     assert s["read"] == 6 + 8 + 1 + 1 == s["kept"] + s["rejected"]
@@ -92,12 +94,11 @@ def test_bad_input_every_row_accounted(tiny_cfg, synth_dir, renderer, tmp_path):
 
 
 def test_too_long_rejected_not_truncated(tiny_cfg, synth_dir, renderer, tmp_path):
-    import dataclasses
-    opts = dataclasses.replace(build.BuildOptions.from_config(tiny_cfg.data), max_len=640)
+    opts = dataclasses.replace(build.BuildOptions.from_config(tiny_cfg.data), max_len=384)
     s = build.build(os.path.join(synth_dir, "samples.jsonl"), str(tmp_path), renderer, opts, progress=False).stats
     assert s["rejected_by_reason"].get("too_long", 0) > 0
     assert 0 < s["over_max_len_share"] <= 1
-    assert s["lengths"]["total_tokens_max"] <= 640
+    assert s["lengths"]["total_tokens_max"] <= 384
 
 
 def test_no_valid_rows_fails_clearly(renderer, tiny_cfg, tmp_path):
