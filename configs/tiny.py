@@ -101,7 +101,7 @@ def train_config() -> ml_collections.ConfigDict:
         mu_dtype="",                 # Adam first moment dtype ("" = param dtype)
         expert_grad_dtype="",        # expert-weight gradient dtype ("" = param dtype; bfloat16 saves memory)
         remat="none",
-        attention="auto",            # text attention: query-blocked on CPU, dot_product_attention on GPU
+        attention="auto",            # attention: the CPU kernel on CPU (query-blocked causal), dot_product_attention on GPU
         scan_layers=True,
         # Loss weight of the verdict token (1.0 = plain token mean). A random-init judge learns the
         # reason's easy tokens first; weighting the one token the reward reads lifted held-out AUC

@@ -1,11 +1,12 @@
-"""Text attention implementations agree: the CPU query-blocked path equals one dense call."""
+"""Attention implementations agree: the CPU kernel (query-blocked causal text attention, key-length
+vision attention; rm_jax.model.attention_cpu) equals jax.nn.dot_product_attention, gradients included."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rm_jax.model.layers import AttentionMask, causal_attention, causal_padding_mask
+from rm_jax.model.layers import AttentionMask, causal_attention, causal_padding_mask, key_length_attention
 
 
 def _qkv(b, t, n, k, h, seed=0):
@@ -13,7 +14,7 @@ def _qkv(b, t, n, k, h, seed=0):
     return tuple(jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((b, t, n, h), (b, t, k, h), (b, t, k, h)))
 
 
-@pytest.mark.parametrize("t", [300, 384])        # a ragged last block, and whole blocks
+@pytest.mark.parametrize("t", [100, 300, 384])   # one block, a ragged last block, whole blocks
 def test_blocked_equals_dense_with_key_lengths(t):
     q, k, v = _qkv(3, t, 4, 2, 8)
     lengths = jnp.asarray([t, 1, t - 77], jnp.int32)
@@ -40,10 +41,25 @@ def test_blocked_equals_dense_with_left_padding_mask():
     np.testing.assert_allclose(np.asarray(blocked)[0], np.asarray(dense)[0], atol=2e-6)
 
 
+def test_key_length_attention_equals_dense():
+    """The vision tower's frame slots: non-causal, keys [0, len) per slot, GQA-free (K = N)."""
+    q, k, v = _qkv(4, 64, 2, 2, 8, seed=2)
+    lengths = jnp.asarray([64, 1, 37, 5], jnp.int32)
+    dense = key_length_attention(q, k, v, lengths, 0.35, "xla")
+    kernel = key_length_attention(q, k, v, lengths, 0.35, "blocked")
+    np.testing.assert_allclose(kernel, dense, atol=2e-6)
+    grads = lambda impl: jax.grad(lambda q, k, v: jnp.sum(jnp.sin(key_length_attention(q, k, v, lengths, 0.35, impl))),
+                                  argnums=(0, 1, 2))(q, k, v)
+    for g_kernel, g_dense in zip(grads("blocked"), grads("xla")):
+        np.testing.assert_allclose(g_kernel, g_dense, rtol=2e-5, atol=2e-5)
+
+
 def test_unknown_implementation_is_refused():
     q, k, v = _qkv(1, 8, 2, 1, 4)
     with pytest.raises(ValueError, match="attention='flash'"):
         causal_attention(q, k, v, AttentionMask(kv_lengths_b=jnp.asarray([8])), 1.0, "flash")
+    with pytest.raises(ValueError, match="attention='flash'"):
+        key_length_attention(q, k[..., :1, :].repeat(2, 2), v[..., :1, :].repeat(2, 2), jnp.asarray([8]), 1.0, "flash")
 
 
 def test_vision_frame_slots_round_trip_and_capacity():

@@ -97,8 +97,9 @@ class RuntimeOptions:
     moe_backend: str = "ragged"        # "dense" | "ragged" | "ep_ring" (rm_jax.model.moe)
     scan_layers: bool = True           # lax.scan over homogeneous runs of layers
     remat: str = "none"                # "none" | "full" | "dots" | "dots_no_batch"
-    # Text attention: "auto" (query-blocked causal on CPU, jax.nn.dot_product_attention elsewhere),
-    # "xla" / "cudnn" (jax.nn.dot_product_attention with that implementation), "blocked".
+    # Attention (text and vision): "auto" (the CPU kernel on CPU, query-blocked for causal text;
+    # jax.nn.dot_product_attention elsewhere), "xla" / "cudnn" (jax.nn.dot_product_attention with
+    # that implementation), "blocked" (the CPU kernel anywhere).
     attention: str = "auto"
 
 

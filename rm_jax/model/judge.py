@@ -223,7 +223,7 @@ class Qwen3VLMoeJudge(nnx.Module):
         self.mesh = None  # set by load_hf(mesh=...); forward then runs under jax.set_mesh(mesh)
         self.embed_vd = param(normal(rngs, (t.vocab_size, t.hidden_size), pdtype), ("vocab", "embed"))
         self.vision = VisionModel(cfg.vision, rngs=rngs, dtype=dtype, param_dtype=pdtype,
-                                  scan=rt.scan_layers, remat=rt.remat)
+                                  scan=rt.scan_layers, remat=rt.remat, attention=rt.attention)
         self.segments = tuple(layer_segments(cfg))
         self.decoder = nnx.List([
             LayerStack(functools.partial(lambda sp, r: DecoderLayer(cfg, sp, rngs=r), sparse),

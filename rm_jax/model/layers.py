@@ -18,11 +18,12 @@ Design choices:
   which is what transformers' ``create_causal_mask`` builds from a padding mask. Right-padded
   batches (the loader's layout) pass key lengths + ``is_causal`` instead of a materialized
   [B, 1, T, T] mask, which keeps cuDNN's flash kernel eligible on GPU.
-* **On CPU, causal attention is query-blocked** (``blocked_causal_attention``): XLA's CPU path
-  builds the whole [B, N, T, T] logits and is memory-bound on them; query block i only needs
-  keys [0, end of block i], so blocking skips the masked upper triangle (about half the work:
-  2.0x fwd+bwd, 2.9x fwd at [16, 768, 4 heads]). Each block is still one
-  ``dot_product_attention`` call, so the result equals the unblocked one.
+* **On CPU, attention runs the CPU kernel** (``attention_cpu.masked_attention``: normalization
+  after PV, a hand-written backward that recomputes the probabilities) and causal attention is
+  also query-blocked (``blocked_causal_attention``): query block i only needs keys [0, end of
+  block i], so the masked upper triangle (about half the work) is skipped. Results equal
+  ``dot_product_attention`` to fp32 rounding (tests/test_attention.py). ``attention="xla"``
+  keeps the library call on CPU too.
 * **Layer stacks.** ``LayerStack`` holds ``n`` structurally identical layers as one module whose
   params have a leading layer axis (logical name ``None``: layers are never sharded). It applies
   them with ``jax.lax.scan`` over ``nnx.merge``-d slices, so compile time is flat in depth, and
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rm_jax.model import attention_cpu
 from rm_jax.sharding import LOGICAL_RULES, constrain
 
 Names = Sequence[str | None]
@@ -156,7 +158,8 @@ QUERY_BLOCK = 128     # rows per query block on CPU (64-256 measured within 10% 
 
 def blocked_causal_attention(q_btnh, k_btkh, v_btkh, mask: AttentionMask, scale: float,
                              block: int = QUERY_BLOCK):
-    """Causal attention computed one query block at a time against only the keys it can see."""
+    """Causal attention computed one query block at a time against only the keys it can see,
+    each block through the CPU kernel (``attention_cpu.masked_attention``)."""
     t = q_btnh.shape[1]
     outs = []
     for start in range(0, t, block):
@@ -164,13 +167,12 @@ def blocked_causal_attention(q_btnh, k_btkh, v_btkh, mask: AttentionMask, scale:
         q_pos = np.arange(start, end)[:, None]
         k_pos = np.arange(end)[None, :]
         if mask.mask_b1ts is not None:
-            m_b1qs = mask.mask_b1ts[:, :, start:end, :end]
+            valid_bqs = mask.mask_b1ts[:, 0, start:end, :end]
         else:
             in_len_bs = jnp.arange(end)[None, :] < mask.kv_lengths_b[:, None]
-            m_b1qs = jnp.asarray(k_pos <= q_pos)[None, None] & in_len_bs[:, None, None, :]
-        outs.append(jax.nn.dot_product_attention(q_btnh[:, start:end], k_btkh[:, :end], v_btkh[:, :end],
-                                                 mask=m_b1qs, scale=scale))
-    return jnp.concatenate(outs, axis=1)
+            valid_bqs = jnp.asarray(k_pos <= q_pos)[None] & in_len_bs[:, None, :]
+        outs.append(attention_cpu.masked_attention(q_btnh[:, start:end], k_btkh[:, :end], v_btkh[:, :end], valid_bqs, scale))
+    return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
 
 def causal_attention(q_btnh, k_btkh, v_btkh, mask: AttentionMask, scale: float, impl: str = "auto"):
@@ -178,8 +180,7 @@ def causal_attention(q_btnh, k_btkh, v_btkh, mask: AttentionMask, scale: float, 
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention={impl!r}; expected one of {ATTENTION_IMPLS}")
     if impl == "auto":
-        long_enough = q_btnh.shape[1] >= 2 * QUERY_BLOCK
-        impl = "blocked" if jax.default_backend() == "cpu" and long_enough else "xla"
+        impl = "blocked" if jax.default_backend() == "cpu" else "xla"
     if impl == "blocked":
         return blocked_causal_attention(q_btnh, k_btkh, v_btkh, mask, scale)
     kw = dict(scale=scale, implementation=None if impl == "xla" else impl)
@@ -187,6 +188,16 @@ def causal_attention(q_btnh, k_btkh, v_btkh, mask: AttentionMask, scale: float, 
         return jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, mask=mask.mask_b1ts, **kw)
     return jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, is_causal=True,
                                         key_value_seq_lengths=mask.kv_lengths_b, **kw)
+
+
+def key_length_attention(q_btnh, k_bskh, v_bskh, kv_lengths_b, scale: float, impl: str = "auto"):
+    """Non-causal attention to keys [0, kv_lengths_b) (the vision tower's frame slots)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention={impl!r}; expected one of {ATTENTION_IMPLS}")
+    if impl == "blocked" or (impl == "auto" and jax.default_backend() == "cpu"):
+        return attention_cpu.key_length_attention(q_btnh, k_bskh, v_bskh, kv_lengths_b, scale)
+    return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, key_value_seq_lengths=kv_lengths_b, scale=scale,
+                                        implementation=None if impl in ("auto", "xla") else impl)
 
 
 class Attention(nnx.Module):

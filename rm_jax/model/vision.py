@@ -38,7 +38,8 @@ import numpy as np
 from flax import nnx
 
 from rm_jax.model.config import VisionConfig
-from rm_jax.model.layers import LayerNorm, LayerStack, normal, param, rope_inv_freq, rotate_half
+from rm_jax.model.layers import (LayerNorm, LayerStack, key_length_attention, normal, param, rope_inv_freq,
+                                 rotate_half)
 from rm_jax.sharding import constrain
 
 
@@ -172,7 +173,8 @@ def vision_rope_cos_sin(pos_n2, head_dim: int, theta: float):
 
 
 class VisionAttention(nnx.Module):
-    def __init__(self, cfg: VisionConfig, *, rngs, dtype, param_dtype):
+    def __init__(self, cfg: VisionConfig, *, rngs, dtype, param_dtype, impl: str = "auto"):
+        self.impl = impl
         d, n, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
         self.dtype, self.head_dim = dtype, hd
         for name in ("q", "k", "v"):
@@ -195,20 +197,19 @@ class VisionAttention(nnx.Module):
         rot = lambda x: (x.astype(jnp.float32) * cos + rotate_half(x.astype(jnp.float32)) * sin).astype(dt)
         q_nkh, k_nkh = rot(q_nkh), rot(k_nkh)
         to_slots = lambda x_nkh: jnp.take(x_nkh, vin.frame_rows_fp, axis=0)      # [F, P, K, H]
-        out_fpkh = jax.nn.dot_product_attention(to_slots(q_nkh), to_slots(k_nkh), to_slots(v_nkh),
-                                                key_value_seq_lengths=vin.frame_len_f,
-                                                scale=self.head_dim ** -0.5)
+        out_fpkh = key_length_attention(to_slots(q_nkh), to_slots(k_nkh), to_slots(v_nkh), vin.frame_len_f,
+                                        self.head_dim ** -0.5, self.impl)
         f, p = vin.frame_rows_fp.shape
         out_nkh = jnp.take(out_fpkh.reshape(f * p, *out_fpkh.shape[2:]), vin.row_slot_n, axis=0)
         return jnp.einsum("nkh,khd->nd", out_nkh, self.wo_nhd[...].astype(dt)) + self.bo_d[...].astype(dt)
 
 
 class VisionBlock(nnx.Module):
-    def __init__(self, cfg: VisionConfig, *, rngs, dtype, param_dtype):
+    def __init__(self, cfg: VisionConfig, *, rngs, dtype, param_dtype, attention: str = "auto"):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.norm1 = LayerNorm(cfg.hidden_size, 1e-6, param_dtype=param_dtype)
         self.norm2 = LayerNorm(cfg.hidden_size, 1e-6, param_dtype=param_dtype)
-        self.attn = VisionAttention(cfg, **kw)
+        self.attn = VisionAttention(cfg, **kw, impl=attention)
         self.fc1 = Dense(cfg.hidden_size, cfg.intermediate_size, ("vis_embed", "vis_mlp"), **kw)
         self.fc2 = Dense(cfg.intermediate_size, cfg.hidden_size, ("vis_mlp", "vis_embed"), **kw)
 
@@ -250,7 +251,7 @@ def vision_segments(cfg: VisionConfig) -> list[tuple[int, int]]:
 
 class VisionModel(nnx.Module):
     def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 scan: bool = True, remat: str = "none"):
+                 scan: bool = True, remat: str = "none", attention: str = "auto"):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.cfg, self.dtype, self.scan, self.remat = cfg, dtype, scan, remat
         self.patch_w_pd = param(normal(rngs, (cfg.patch_dim, cfg.hidden_size), param_dtype, cfg.patch_dim),
@@ -259,7 +260,8 @@ class VisionModel(nnx.Module):
         self.pos_embed_pd = param(normal(rngs, (cfg.num_position_embeddings, cfg.hidden_size), param_dtype),
                                   (None, "vis_embed"))
         self.segments = tuple(vision_segments(cfg))
-        self.blocks = nnx.List([LayerStack(lambda r: VisionBlock(cfg, rngs=r, dtype=dtype, param_dtype=param_dtype),
+        self.blocks = nnx.List([LayerStack(lambda r: VisionBlock(cfg, rngs=r, dtype=dtype, param_dtype=param_dtype,
+                                                                       attention=attention),
                                            end - start, rngs=rngs) for start, end in self.segments])
         self.merger = PatchMerger(cfg, False, **kw)
         self.deepstack_mergers = nnx.List([PatchMerger(cfg, True, **kw)
