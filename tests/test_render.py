@@ -50,7 +50,7 @@ GOLDEN_TOOL_CALL = (
     "[system]\nYou are an image agent.\n"
     "[user]\nMake 2 red circles at 2K like this <IMG>\n"
     "[assistant]\nGenerating now.\n"
-    "[tool: generate_image]\nstatus: ok, images: [{image: <IMG>, width: 2048}]\n"
+    "[tool: generate_image]\nstatus: ok, images: [{image: images/gen.png <IMG>, width: 2048}]\n"
     "[tool: unknown]\nImage ready: 2048x2048\n"
     "[user]\nNow make them 16:9\n"
     "## Response to judge\n[assistant]\n"

@@ -96,8 +96,12 @@ def test_image_paths_relative_to_jsonl_and_data_uri(tmp_path):
 def test_tool_content_compact_with_image_fields():
     content = json.dumps({"status": "ok", "images": [{"image": "images/g.png", "width": 2048}], "note": "two\nlines"})
     tc = parse_tool_content(content)
-    assert tc.segments == ("status: ok, images: [{image: ", ImageField("images/g.png"), ", width: 2048}], note: two lines")
+    assert tc.segments == ("status: ok, images: [{image: images/g.png ", ImageField("images/g.png"),
+                           ", width: 2048}], note: two lines")
     assert tc.images == ("images/g.png",)
     # a double-encoded JSON string is decoded too; plain text is kept verbatim
     assert parse_tool_content(json.dumps(content)).images == ("images/g.png",)
     assert parse_tool_content("Image ready: 2048x2048").segments == ("Image ready: 2048x2048",)
+    # an inline data URI is shown as the image only (no base64 text)
+    uri = "data:image/png;base64,AAAA"
+    assert parse_tool_content(json.dumps({"image": uri})).segments == ("image: ", ImageField(uri))

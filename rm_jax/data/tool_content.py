@@ -3,7 +3,8 @@
 Online, tool results arrive as JSON *strings* (``{"status":"ok","images":[{"image":...}]}``).
 Shown raw, they cost tokens on quotes and escapes and hide the images they point to. We decode
 them (up to the same 4 levels as tool-call arguments), print a compact ``key: value`` form, and
-cut the text at every image field so the image itself goes to the vision input at that spot.
+cut the text at every image field so the image itself goes to the vision input at that spot,
+right after the file name (``image: images/g.png <image>``; a data URI shows only the image).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def _emit(value: Any, out: list, top: bool = False) -> None:
             _emit(v, out)
         text("]")
     elif looks_like_image_ref(value):
+        # A file reference keeps its name in the text: a response that cites or edits a file
+        # is checked against the names the tool returned (the policy saw them too). Inline
+        # data URIs are only the image.
+        if not value.startswith("data:"):
+            text(_scalar(value) + " ")
         out.append(ImageField(value))
     else:
         text(_scalar(value))
