@@ -23,6 +23,7 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 from benchmarks.timing import median_seconds  # noqa: E402
+from rm_jax.model.config import hf_config_dict  # noqa: E402
 
 flags.DEFINE_integer("batch", 4, "sequences per step")
 flags.DEFINE_integer("seq", 512, "tokens per sequence")
@@ -60,7 +61,7 @@ def main(argv):
     tcfg = tiny.get_config()
 
     torch.manual_seed(0)
-    hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**tcfg.model.to_dict()))
+    hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**hf_config_dict(tcfg.model.to_dict())))
     tmp = tempfile.mkdtemp()
     hf.save_pretrained(tmp)
     hf.train()

@@ -14,7 +14,7 @@
   exact, not an approximation: the MoE casts those weights to the compute dtype at use anyway, so
   their gradient is bf16-valued either way (the cast's transpose only widens it). What changes is
   the storage (and reduce-scatter traffic) of the expert gradients, which halves. (XLA's CPU
-  memory plan for 30B did not show a lower peak from it: 88.3 GiB per device at A=4.)
+  memory plan for 30B did not show a lower peak from it: 88.0 GiB per device at A=4.)
 * The MoE load-balancing (and optional z-) loss enter the objective with configurable
   coefficients and are logged separately, with per-expert load and its imbalance (max/mean).
 """
