@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -75,6 +76,11 @@ def main(argv):
     train_args = [f"--config={_CONFIG.value}", f"--workdir={run}", f"--config.data.dir={shards}"]
     if _TRAIN_STEPS.value:
         train_args.append(f"--config.train.steps={_TRAIN_STEPS.value}")
+    if os.path.isdir(run):
+        # The data stages above may have rebuilt the shards: a demo run trains from scratch
+        # (the trainer refuses to resume checkpoints trained on other data).
+        print(f"=== removing the previous demo training run {run}", flush=True)
+        shutil.rmtree(run)
     _run("train", train_args, timings)
     _run("sweep", [f"--workdir={run}", f"--data={shards}", f"--max_samples={_SWEEP_MAX.value}"], timings)
     score_in = os.path.join(data, "score_input.jsonl")   # beside samples.jsonl: image paths stay valid

@@ -190,3 +190,21 @@ def test_expert_grads_in_compute_dtype(tiny_cfg, built_shards):
     model32, _ = loop.build_model(cfg32, mesh)
     with pytest.raises(ValueError, match="compute dtype"):
         StepBuilder(model32, optim.make_optimizer(ocfg, model32), StepConfig(expert_grad_dtype="bfloat16"), mesh)
+
+
+def test_resume_refuses_checkpoints_trained_on_other_data(tmp_path):
+    """A workdir's checkpoints resume only on the shards they were trained on."""
+    import json
+    from rm_jax.train.loop import check_resume_data
+    from rm_jax.utils import file_sha256
+    data = tmp_path / "shards"
+    data.mkdir()
+    (data / "manifest.json").write_text('{"examples": 10}')
+    work = tmp_path / "run"
+    work.mkdir()
+    check_resume_data(str(work), str(data))                         # no manifest yet: a fresh run
+    (work / "manifest.json").write_text(json.dumps({"data_manifest_sha256": file_sha256(str(data / "manifest.json"))}))
+    check_resume_data(str(work), str(data))                         # same shards: resumes
+    (data / "manifest.json").write_text('{"examples": 11}')        # rebuilt
+    with pytest.raises(ValueError, match="trained on other data"):
+        check_resume_data(str(work), str(data))

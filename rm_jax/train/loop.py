@@ -197,6 +197,7 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     restored = ckpt.restore(abstract_like(state))
     start, data_state, skipped = 0, None, []
     if restored is not None:
+        check_resume_data(workdir, data_dir)
         skipped = restored.skipped
         state, start, data_state = restored.state, restored.step, restored.data_state
         logging.info("resumed from %s at step %d", ckpt.directory, start)
@@ -275,6 +276,23 @@ def evaluate(builder: StepBuilder, cfg, mcfg, state, plan: RunPlan, mesh) -> flo
         total += float(m["loss"]) * float(m["target_tokens"])
         count += float(m["target_tokens"])
     return total / max(count, 1.0)
+
+
+def check_resume_data(workdir: str, data_dir: str) -> None:
+    """Refuse to resume a workdir whose checkpoints were trained on other data.
+
+    Resuming restores the data iterator's position, which only means something in the same
+    shards; on rebuilt data it would silently continue (or end) a different run."""
+    path = os.path.join(workdir, "manifest.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        recorded = json.load(f).get("data_manifest_sha256")
+    current = file_sha256(os.path.join(data_dir, "manifest.json"))
+    if recorded and recorded != current:
+        raise ValueError(f"{workdir} holds checkpoints trained on other data (data manifest sha256 "
+                         f"{recorded[:12]}, now {current[:12]} for {data_dir}): resume with the same "
+                         f"shards, or train in a new workdir")
 
 
 def _memory_line(mem) -> str:
