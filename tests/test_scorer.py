@@ -189,3 +189,41 @@ def test_load_judge_from_training_checkpoint(judge, renderer, tiny_cfg, tmp_path
     check(loaded, 10)
     with pytest.raises(ValueError, match="step 30 not found"):
         load_judge(str(tmp_path), step=30)
+
+
+def test_score_file_writes_error_rows_and_scores_the_rest(judge, renderer, tiny_cfg, built_shards, synth_dir,
+                                                          tmp_path):
+    """launch.score's contract: a malformed row and a row over the largest bucket each get
+    {id, error}; every other row is scored, and the counts add up."""
+    import json
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rm_jax.score.run import score_file
+    from rm_jax.train.checkpoint import CheckpointOptions, Checkpointer
+    from rm_jax.train.step import TrainState
+    _, model, _, _ = judge
+    cfg = tiny_cfg.copy_and_resolve_references()
+    cfg.model.text_config.vocab_size = len(renderer.tokenizer)
+    cfg.data.dir = built_shards[0]
+    (tmp_path / "manifest.json").write_text(json.dumps({"config": cfg.to_dict()}))
+    ck = Checkpointer(str(tmp_path / "checkpoints"), CheckpointOptions(async_save=False))
+    ck.save(1, TrainState(step=jnp.asarray(1), params=nnx.state(model, nnx.Param), opt_state={}), {})
+    ck.close()
+    with open(os.path.join(synth_dir, "samples.jsonl")) as f:
+        good = json.loads(f.readline())
+    long = json.loads(json.dumps(good))
+    long["id"] = "too-long"
+    long["messages"].append({"role": "user", "content": "make it bigger " * 400})
+    src = os.path.join(synth_dir, f"score_input_{tmp_path.name}.jsonl")   # beside the images
+    with open(src, "w") as f:
+        f.write(json.dumps(good) + "\n" + json.dumps(long) + "\n" + "{not json\n")
+    out = tmp_path / "scores.jsonl"
+    summary = score_file(str(tmp_path), src, str(out), tokenizer=os.path.join(synth_dir, "tokenizer"),
+                         batch_size=8, max_new_tokens=8, progress=False)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and summary["scored"] == 1 and summary["errors"] == 2
+    assert rows[0]["id"] == good["id"] and 0.0 <= rows[0]["p_pass"] <= 1.0 and "reward" in rows[0]
+    assert rows[1]["id"] == "too-long" and rows[1]["error"].startswith("too_long")
+    assert set(rows[2]) == {"id", "error"}

@@ -1,7 +1,8 @@
 """Score a JSONL file end to end: parse, render-check, judge, rule checks, reward, write.
 
-Bad rows never stop the run: a row that fails the contract or cannot be rendered (missing or
-corrupt image...) gets `{"id", "error"}` with the reason, and every other row is scored.
+Bad rows never stop the run: a row that fails the contract, cannot be rendered (missing or
+corrupt image...) or is longer than the largest length bucket gets `{"id", "error"}` with the
+reason, and every other row is scored.
 """
 
 from __future__ import annotations
@@ -48,17 +49,25 @@ def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None
                     batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
     results = iter(zip(good, scorer.score(good)))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    n_err = 0
+    n_err = n_scored = 0
     with open(out_path, "w") as f:
         for row in rows:
             if row is None:
                 sample, r = next(results)
+                if r.error is not None or not r.slot_found:
+                    # Over the largest bucket (the scorer's own check), or a reason-first judge
+                    # that never wrote the verdict slot: no P(pass), so no reward either.
+                    n_err += 1
+                    reason = r.error or "no_verdict_slot: the judge's output has no \"l3\" value"
+                    f.write(json.dumps({"id": sample.id, "error": reason}, ensure_ascii=False) + "\n")
+                    continue
                 rw = compute_reward(sample, r.p_pass, list(r.issues), r.img)
                 row = {"id": sample.id, "p_pass": r.p_pass, "verdict": r.verdict, "reason": r.reason,
                        "issues": list(r.issues), "img": r.img, "parse_ok": r.parse_ok,
                        "off_vocab_mass": r.off_vocab_mass, "rule_score": rw.rule_score,
                        "components": rw.components, "reward": rw.reward}
+                n_scored += 1
             else:
                 n_err += 1
             f.write(json.dumps(row, ensure_ascii=False, default=float) + "\n")
-    return {"scored": len(good), "errors": n_err, "step": used_step, "out": out_path}
+    return {"scored": n_scored, "errors": n_err, "step": used_step, "out": out_path}
