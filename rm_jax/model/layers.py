@@ -171,7 +171,8 @@ def blocked_causal_attention(q_btnh, k_btkh, v_btkh, mask: AttentionMask, scale:
         else:
             in_len_bs = jnp.arange(end)[None, :] < mask.kv_lengths_b[:, None]
             valid_bqs = jnp.asarray(k_pos <= q_pos)[None] & in_len_bs[:, None, :]
-        outs.append(attention_cpu.masked_attention(q_btnh[:, start:end], k_btkh[:, :end], v_btkh[:, :end], valid_bqs, scale))
+        outs.append(attention_cpu.masked_attention(q_btnh[:, start:end], k_btkh[:, :end], v_btkh[:, :end],
+                                                   valid_bqs, scale))
     return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
 
