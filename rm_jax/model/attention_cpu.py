@@ -12,8 +12,10 @@ much as a matmul at the tiny judge's head size (16). Profiled on the tiny train 
   ``dv = p^T do``, ``dp = do v^T``, ``ds = p * (dp - rowsum(do * o))``, ``dq = ds k``,
   ``dk = ds^T q``, with masked logits getting no gradient, as with ``jnp.where``.
 
-Numerics equal ``jax.nn.dot_product_attention``'s XLA path to fp32 rounding (tests/test_attention.py),
-including rows with no valid key (a uniform average, as with its large-negative fill). GQA is
+Numerics equal ``jax.nn.dot_product_attention``'s XLA path to fp32 rounding, gradients included
+(tests/test_attention.py). A row with no valid key gets the same forward (a uniform average, as
+with its large-negative fill) but the gradient of that average, which jax's path does not give;
+the trainer never produces such rows (key lengths and frame lengths are at least 1). GQA is
 native: q heads are grouped [K, G] against the K key/value heads. Used on CPU only; GPUs keep
 ``jax.nn.dot_product_attention`` (cuDNN flash).
 """

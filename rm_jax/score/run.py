@@ -57,17 +57,17 @@ def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None
                 if r.error is not None or not r.slot_found:
                     # Over the largest bucket (the scorer's own check), or a reason-first judge
                     # that never wrote the verdict slot: no P(pass), so no reward either.
-                    n_err += 1
-                    reason = r.error or "no_verdict_slot: the judge's output has no \"l3\" value"
-                    f.write(json.dumps({"id": sample.id, "error": reason}, ensure_ascii=False) + "\n")
-                    continue
-                rw = compute_reward(sample, r.p_pass, list(r.issues), r.img)
-                row = {"id": sample.id, "p_pass": r.p_pass, "verdict": r.verdict, "reason": r.reason,
-                       "issues": list(r.issues), "img": r.img, "parse_ok": r.parse_ok,
-                       "off_vocab_mass": r.off_vocab_mass, "rule_score": rw.rule_score,
-                       "components": rw.components, "reward": rw.reward}
-                n_scored += 1
-            else:
+                    row = {"id": sample.id,
+                           "error": r.error or "no_verdict_slot: the judge's output has no \"l3\" value"}
+                else:
+                    rw = compute_reward(sample, r.p_pass, list(r.issues), r.img)
+                    row = {"id": sample.id, "p_pass": r.p_pass, "verdict": r.verdict, "reason": r.reason,
+                           "issues": list(r.issues), "img": r.img, "parse_ok": r.parse_ok,
+                           "off_vocab_mass": r.off_vocab_mass, "rule_score": rw.rule_score,
+                           "components": rw.components, "reward": rw.reward}
+            if "error" in row:
                 n_err += 1
+            else:
+                n_scored += 1
             f.write(json.dumps(row, ensure_ascii=False, default=float) + "\n")
     return {"scored": n_scored, "errors": n_err, "step": used_step, "out": out_path}
