@@ -73,7 +73,7 @@ def get_config() -> ml_collections.ConfigDict:
     cfg.data.text_contract = judge_contracts.TEXT_ONLY_CONTRACT
     cfg.train.update(dict(lr=5e-6, global_batch=32, grad_accum=4, epochs=2.0, warmup_steps=50,
                           dtype="bfloat16", param_dtype="float32", mu_dtype="bfloat16", remat="full",
-                          expert_grad_dtype="bfloat16",
+                          nu_dtype="bfloat16", expert_grad_dtype="bfloat16", expert_accum_dtype="bfloat16",
                           max_target_tokens=192,
                           vocab_chunk=16384, max_patches=32 * 4096, max_images=64,
                           checkpoint_every=100, eval_every=100, eval_batches=0,

@@ -99,7 +99,9 @@ def train_config() -> ml_collections.ConfigDict:
         dtype="float32",             # compute dtype (bfloat16 on GPU)
         param_dtype="float32",       # master weights + optimizer state
         mu_dtype="",                 # Adam first moment dtype ("" = param dtype)
+        nu_dtype="",                 # Adam second moment storage dtype ("" = param dtype; bfloat16 needs b2 <= 0.99)
         expert_grad_dtype="",        # expert-weight gradient dtype ("" = param dtype; bfloat16 saves memory)
+        expert_accum_dtype="",       # dtype expert gradients are summed in over microbatches ("" = param dtype)
         remat="none",
         attention="auto",            # attention: the CPU kernel on CPU (query-blocked causal), dot_product_attention on GPU
         scan_layers=True,

@@ -173,23 +173,67 @@ def test_expert_grads_in_compute_dtype(tiny_cfg, built_shards):
     host = loop.assemble(mcfg, stream.next(), loop.frame_capacity(cfg, mcfg))
     ocfg = optim.OptimConfig(lr=1e-3, warmup_steps=1, total_steps=2)
     out = {}
-    for dt in ("", "bfloat16"):
+    for grad_dt, accum_dt in (("", ""), ("bfloat16", ""), ("bfloat16", "bfloat16")):
         builder = StepBuilder(model, optim.make_optimizer(ocfg, model), StepConfig(LossConfig(96, 512),
-                              expert_grad_dtype=dt), mesh)
+                              expert_grad_dtype=grad_dt, expert_accum_dtype=accum_dt), mesh)
         with jax.set_mesh(mesh):
             grads, metrics = jax.jit(lambda p, r, b: builder._accumulate(p, r, b, with_grad=True))(
                 builder._params, builder.rest, host.batch)
-        out[dt] = jax.device_get((jax.tree.leaves(grads), metrics, builder._expert_leaf))
-    (g32, m32, is_expert), (g16, m16, _) = out[""], out["bfloat16"]
+        out[(grad_dt, accum_dt)] = jax.device_get((jax.tree.leaves(grads), metrics, builder._expert_leaf))
+    (g32, m32, is_expert), (g16, m16, _) = out[("", "")], out[("bfloat16", "")]
     assert m16["loss"] == m32["loss"]
     assert sum(is_expert) == 3 * 2          # gate, up, down of the 2 sparse layers
     for a, b in zip(g32, g16):
         assert b.dtype == a.dtype == np.float32            # the accumulator stays fp32
         np.testing.assert_array_equal(b, a)
+    # A bf16 expert accumulator (the 30B plan's memory saver) rounds the sum of 2 microbatches:
+    # expert gradients agree to bf16 precision, everything else bit for bit; the optimizer still
+    # gets the master dtype.
+    g_acc, m_acc, _ = out[("bfloat16", "bfloat16")]
+    assert m_acc["loss"] == m32["loss"]
+    for a, b, expert in zip(g32, g_acc, is_expert):
+        assert b.dtype == a.dtype == np.float32
+        if expert:
+            np.testing.assert_allclose(b, a, rtol=0, atol=2 ** -7 * float(np.abs(a).max()))
+            assert not np.array_equal(b, a)     # the accumulator really was bf16
+        else:
+            np.testing.assert_array_equal(b, a)
     cfg32 = _cfg(tiny_cfg, built_shards[0])
     model32, _ = loop.build_model(cfg32, mesh)
     with pytest.raises(ValueError, match="compute dtype"):
         StepBuilder(model32, optim.make_optimizer(ocfg, model32), StepConfig(expert_grad_dtype="bfloat16"), mesh)
+
+
+def test_bf16_second_moment_tracks_fp32_adam():
+    """nu_dtype=bf16 (the 30B plan's memory saver) keeps optax's state structure, stores nu in
+    bf16, and follows fp32 AdamW closely over many steps; a b2 whose EMA step would vanish in
+    bf16 rounding is refused."""
+    import optax
+    rng = np.random.default_rng(0)
+    params = {"w": jax.numpy.asarray(rng.standard_normal((16, 24)), jax.numpy.float32),
+              "b": jax.numpy.zeros((24,), jax.numpy.float32)}
+    runs = {}
+    for nu in ("", "bfloat16"):
+        cfg = optim.OptimConfig(lr=1e-2, warmup_steps=5, total_steps=200, weight_decay=0.01, nu_dtype=nu)
+        tx = optim.make_optimizer(cfg, params)
+        state, p = tx.init(params), params
+        update = jax.jit(tx.update)
+        rng = np.random.default_rng(1)           # the same gradient stream for both runs
+        for i in range(200):
+            # gradients spanning four decades, so nu's relative rounding is exercised everywhere
+            g = jax.tree.map(lambda x: jax.numpy.asarray(
+                rng.standard_normal(x.shape) * 10.0 ** rng.integers(-3, 1, x.shape), x.dtype), p)
+            u, state = update(g, state, p)
+            p = optax.apply_updates(p, u)
+        runs[nu] = (p, state)
+    (p32, s32), (p16, s16) = runs[""], runs["bfloat16"]
+    assert jax.tree.structure(s32) == jax.tree.structure(s16)
+    assert all(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(s16[1][0].nu))
+    for a, b in zip(jax.tree.leaves(p32), jax.tree.leaves(p16)):
+        moved = np.abs(np.asarray(a) - np.asarray(params["w"] if a.shape == (16, 24) else params["b"])).max()
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=0.02 * moved)
+    with pytest.raises(ValueError, match="b2"):
+        optim.make_optimizer(optim.OptimConfig(b2=0.999, nu_dtype="bfloat16"), params)
 
 
 def test_resume_refuses_checkpoints_trained_on_other_data(tmp_path):

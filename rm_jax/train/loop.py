@@ -88,7 +88,8 @@ def step_config(cfg) -> StepConfig:
     t = cfg.train
     return StepConfig(loss=LossConfig(int(t.max_target_tokens), int(t.vocab_chunk)),
                       lb_coef=float(cfg.moe.lb_coef), z_coef=float(cfg.moe.z_coef),
-                      expert_grad_dtype=str(t.get("expert_grad_dtype", "")))
+                      expert_grad_dtype=str(t.get("expert_grad_dtype", "")),
+                      expert_accum_dtype=str(t.get("expert_accum_dtype", "")))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,6 +57,7 @@ class StepConfig:
     lb_coef: float = 0.0
     z_coef: float = 0.0
     expert_grad_dtype: str = ""     # "" = the parameter dtype
+    expert_accum_dtype: str = ""    # dtype the routed-expert gradients are summed in over microbatches ("" = param dtype)
 
 
 class StepBuilder:
@@ -121,9 +122,16 @@ class StepBuilder:
 
     def _grad_view(self, params):
         """The params as differentiated: expert weights in `expert_grad_dtype` when set."""
-        if not self.cfg.expert_grad_dtype:
+        return self._cast_experts(params, self.cfg.expert_grad_dtype)
+
+    def _accum_view(self, params):
+        """The gradient accumulator's dtypes: expert leaves in `expert_accum_dtype` when set."""
+        return self._cast_experts(params, self.cfg.expert_accum_dtype)
+
+    def _cast_experts(self, params, dtype: str):
+        if not dtype:
             return params
-        dt = jnp.dtype(self.cfg.expert_grad_dtype)
+        dt = jnp.dtype(dtype)
         leaves, treedef = jax.tree.flatten(params)
         return jax.tree.unflatten(treedef, [x.astype(dt) if low else x for x, low in zip(leaves, self._expert_leaf)])
 
@@ -158,10 +166,14 @@ class StepBuilder:
                 _, extras = self._micro_loss(params, rest, inputs, mask, n_total, 1)
                 grads = None
             return grads, self._metrics(*extras, n_micro=1, n_exp=n_exp)
-        # The accumulator stays in the master dtype (fp32) whatever the microbatch gradients are.
-        zeros_g = jax.tree.map(jnp.zeros_like, master) if with_grad else None
+        # The accumulator is in the master dtype (fp32), except for the routed-expert leaves when
+        # `expert_accum_dtype` is set: they are ~95% of a 30B-A3B model, so a bf16 accumulator saves
+        # a quarter of the gradient memory (the per-microbatch expert gradients are bf16 already).
+        zeros_g = jax.tree.map(jnp.zeros_like, self._accum_view(master)) if with_grad else None
         zeros = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros((n_exp,)))
         (grads, extras), _ = jax.lax.scan(body, (zeros_g, zeros), (batch.inputs, batch.target_mask))
+        if with_grad:
+            grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
         return grads, self._metrics(*extras, n_micro=n_micro, n_exp=n_exp)
 
     @staticmethod
