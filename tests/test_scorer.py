@@ -227,3 +227,37 @@ def test_score_file_writes_error_rows_and_scores_the_rest(judge, renderer, tiny_
     assert rows[0]["id"] == good["id"] and 0.0 <= rows[0]["p_pass"] <= 1.0 and "reward" in rows[0]
     assert rows[1]["id"] == "too-long" and rows[1]["error"].startswith("too_long")
     assert set(rows[2]) == {"id", "error"}
+
+
+def test_shared_prefix_equals_whole_prompts(judge, renderer, synth_dir, scorer):
+    """GRPO groups: the responses to one prompt share the rendered prompt up to the response. The
+    scorer prefills that prefix once per group and runs only each response after it; P(pass) and
+    the decoded verdict equal scoring every prompt whole, and transformers."""
+    hf, _, cfg, _ = judge
+    got = [s for s in read_samples(os.path.join(synth_dir, "samples.jsonl")) if isinstance(s, Sample)]
+    by_prompt = {}
+    for s in got:
+        by_prompt.setdefault(s.prompt_id, []).append(s)
+    with_img = [g for g in by_prompt.values() if len(g) > 1 and g[0].images][:2]
+    without = [g for g in by_prompt.values() if len(g) > 1 and not g[0].images][:1]
+    chosen = [s for g in with_img + without for s in g]
+    groups, alone = scorer._prefix_groups(scorer.render(chosen)[0])
+    assert len(groups) == 3 and not alone
+    image_id = cfg.image_token_id
+    for g in groups:
+        assert all(not np.any(it.ids[g.n_shared:] == image_id) for it in g.items)   # images in the prefix
+        assert all(len(it.ids) > g.n_shared for it in g.items)
+    _, model, _, _ = judge
+    unshared = Scorer(model, renderer, field_order=VERDICT_FIRST, buckets=BUCKETS, batch_size=4,
+                      max_new_tokens=48, progress=False, share_prefix=False)
+    shared_p, whole_p = scorer.p_pass(chosen), unshared.p_pass(chosen)
+    np.testing.assert_allclose([s.p_pass for s in shared_p], [s.p_pass for s in whole_p], rtol=0, atol=1e-5)
+    v = renderer.verdict
+    for s, q in list(zip(chosen, shared_p))[::2]:
+        ji = renderer.render(s, with_target=False)
+        ids = np.concatenate([ji.input_ids, renderer.scoring_prefix_ids()])
+        ref = softmax(hf_last_logits(hf, cfg, ids, ji.pixel_values, ji.image_grid_thw)[-1][[v.pass_id, v.fail_id]])[0]
+        assert abs(q.p_pass - ref) < 1e-5
+    for a, b in zip(scorer.score(chosen), unshared.score(chosen)):
+        assert (a.text, a.n_new_tokens, a.verdict) == (b.text, b.n_new_tokens, b.verdict)
+        assert abs(a.p_pass - b.p_pass) < 1e-5

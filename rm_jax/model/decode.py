@@ -7,6 +7,9 @@ definition as a static argument and the params as arrays, like the train step):
   prompt (images, deepstack, MRoPE positions from ``prepare_inputs``) with ``return_kv=True`` and
   no ``[B, T, V]`` head: only each row's last position goes through the LM head.
 * ``step(cache, token_b) -> (logits_bv, KVCache)``: one new token per row.
+* ``extend_slot_logits(cache, rows_b, tokens_bn, n_b, ...)`` / ``generate_shared(...)``: several
+  new tokens per row continuing a *shared* prefix cache row (a GRPO group's prompt, prefilled
+  once): the slot logits after them, or decoding from there.
 * ``slot_logits(inputs, pass_id, fail_id)``: the P(pass)-only path (no cache at all).
 * ``generate(inputs, spec, ...) -> Generation``: prefill + a ``lax.while_loop`` of decode steps
   in ONE jitted call (no host round trip per token), bounded by ``spec.max_new_tokens`` and
@@ -58,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rm_jax.model.judge import JudgeInputs, Qwen3VLMoeJudge
+from rm_jax.model.judge import JudgeInputs, Qwen3VLMoeJudge, StaticGraph
 from rm_jax.model.layers import mrope_cos_sin
 from rm_jax.sharding import constrain
 
@@ -187,34 +190,60 @@ def prefill_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, cache_len: int) -> t
     return logits_bv, KVCache(k_lbskh, v_lbskh, lengths_b, next_pos_b.astype(jnp.int32))
 
 
-def step_fn(model: Qwen3VLMoeJudge, cache: KVCache, token_b: jax.Array) -> tuple[jax.Array, KVCache]:
-    """Append one token per row; logits [B, V] of the new position."""
+def _new_tokens(model: Qwen3VLMoeJudge, cache: KVCache, tokens_bn: jax.Array):
+    """The decoder over ``N`` new text tokens per row after the cached ones.
+
+    Returns the last layer's output ``x_bnd`` (before the final norm) and every layer's new
+    rotated k/v ``[L, B, N, K, Hd]``; the cache itself is not updated here."""
     cfg, dt, t = model.cfg, model.dtype, model.cfg.text
-    b = token_b.shape[0]
-    x_b1d = jnp.take(model.embed_vd[...], token_b[:, None], axis=0).astype(dt)
-    x_b1d = constrain(x_b1d, ("batch", "length", "act_embed"))
-    pos_3b1 = jnp.broadcast_to(cache.next_pos_b[None, :, None], (3, b, 1))
-    cos_b1d, sin_b1d = mrope_cos_sin(pos_3b1, t.head_dim, t.rope_theta, t.mrope_section, dt)
+    b, n = tokens_bn.shape
+    x_bnd = jnp.take(model.embed_vd[...], tokens_bn, axis=0).astype(dt)
+    x_bnd = constrain(x_bnd, ("batch", "length", "act_embed"))
+    # Text after the cached tokens: position next_pos + i on all three MRoPE axes.
+    pos_bn = cache.next_pos_b[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+    cos_bnd, sin_bnd = mrope_cos_sin(jnp.broadcast_to(pos_bn[None], (3, b, n)), t.head_dim, t.rope_theta,
+                                     t.mrope_section, dt)
     write_b = cache.length_b
-    kv_lengths_b = write_b + 1   # the prompt, the earlier new tokens and this one
+    kv_lengths_b = write_b + 1   # what the first new token sees: the cached tokens and itself
 
     def body(layer, x, kv):
-        return layer.decode(x, cos_b1d, sin_b1d, kv[0], kv[1], write_b, kv_lengths_b)
+        return layer.decode(x, cos_bnd, sin_bnd, kv[0], kv[1], write_b, kv_lengths_b)
 
     new_k, new_v = [], []
     for (start, end, _), stack in zip(model.segments, model.decoder):
-        # Generated tokens are text: no image features and no deepstack additions here.
+        # New tokens are text: no image features and no deepstack additions here.
         xs = (cache.k_lbskh[start:end], cache.v_lbskh[start:end])
-        x_b1d, (k_lb1kh, v_lb1kh) = stack.apply(body, x_b1d, xs, scan=cfg.runtime.scan_layers)
-        new_k.append(k_lb1kh)
-        new_v.append(v_lb1kh)
-    b_idx = jnp.arange(b)
-    k_lbkh = jnp.concatenate(new_k)[:, :, 0].astype(cache.k_lbskh.dtype)
-    v_lbkh = jnp.concatenate(new_v)[:, :, 0].astype(cache.v_lbskh.dtype)
+        x_bnd, (k_lbnkh, v_lbnkh) = stack.apply(body, x_bnd, xs, scan=cfg.runtime.scan_layers)
+        new_k.append(k_lbnkh)
+        new_v.append(v_lbnkh)
+    return x_bnd, jnp.concatenate(new_k), jnp.concatenate(new_v)
+
+
+def step_fn(model: Qwen3VLMoeJudge, cache: KVCache, token_b: jax.Array) -> tuple[jax.Array, KVCache]:
+    """Append one token per row; logits [B, V] of the new position."""
+    x_b1d, k_lb1kh, v_lb1kh = _new_tokens(model, cache, token_b[:, None])
+    write_b, b_idx = cache.length_b, jnp.arange(token_b.shape[0])
+    k_lbkh = k_lb1kh[:, :, 0].astype(cache.k_lbskh.dtype)
+    v_lbkh = v_lb1kh[:, :, 0].astype(cache.v_lbskh.dtype)
     k_lbskh = constrain(cache.k_lbskh.at[:, b_idx, write_b].set(k_lbkh), _CACHE_NAMES)
     v_lbskh = constrain(cache.v_lbskh.at[:, b_idx, write_b].set(v_lbkh), _CACHE_NAMES)
     logits_bv = _head(model, model.final_norm(x_b1d)[:, 0])
     return logits_bv, KVCache(k_lbskh, v_lbskh, write_b + 1, cache.next_pos_b + 1)
+
+
+def extend_slot_logits_fn(model: Qwen3VLMoeJudge, cache: KVCache, rows_b: jax.Array, tokens_bn: jax.Array,
+                          n_b: jax.Array, pass_id: int, fail_id: int):
+    """Shared-prefix P(pass): slot logits of prompts that continue cached prefixes.
+
+    Row ``b`` continues cache row ``rows_b[b]`` (a prefix prefilled once for all the samples that
+    share it, e.g. a GRPO group's responses to one prompt) with its own ``n_b[b]`` suffix tokens
+    (right-padded in ``tokens_bn``), which end at its verdict slot. Returns (logit_pass_b,
+    logit_fail_b, logsumexp_b) there, as ``slot_logits_fn`` does for the whole prompt."""
+    cache = KVCache(cache.k_lbskh[:, rows_b], cache.v_lbskh[:, rows_b], cache.length_b[rows_b],
+                    cache.next_pos_b[rows_b])
+    x_bnd, _, _ = _new_tokens(model, cache, tokens_bn)
+    logits_bv = _head(model, model.final_norm(_last_hidden(x_bnd, n_b)))
+    return logits_bv[:, pass_id], logits_bv[:, fail_id], jax.nn.logsumexp(logits_bv, axis=-1)
 
 
 @flax.struct.dataclass
@@ -261,10 +290,40 @@ def generate_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, table_sv: jax.Array
     """Prefill, then greedy decoding with slot detection and forcing, in one traced function.
     ``stop_at_slot`` (a traced bool, so P(pass)-only and full decoding share one compile) ends
     the loop once every live row has its slot."""
-    b = inputs.input_ids_bt.shape[0]
+    logits_bv, cache = prefill_fn(model, inputs, inputs.input_ids_bt.shape[1] + spec.max_new_tokens)
+    return _decode_loop(model, logits_bv, cache, table_sv, match0_b, force_bf, force_len_b, live_b, stop_at_slot,
+                        spec)
+
+
+def generate_shared_fn(model: Qwen3VLMoeJudge, cache: KVCache, rows_b: jax.Array, tokens_bn: jax.Array,
+                       n_b: jax.Array, table_sv: jax.Array, match0_b: jax.Array, force_bf: jax.Array,
+                       force_len_b: jax.Array, live_b: jax.Array, spec: DecodeSpec) -> Generation:
+    """``generate_fn`` for prompts that continue cached prefixes (see ``extend_slot_logits_fn``):
+    each row's suffix is run against its prefix row and written into a copy of that row, then
+    decoding proceeds exactly as after a full prefill. The cache needs ``N + max_new_tokens``
+    free slots per row."""
+    cache = KVCache(cache.k_lbskh[:, rows_b], cache.v_lbskh[:, rows_b], cache.length_b[rows_b],
+                    cache.next_pos_b[rows_b])
+    x_bnd, k_lbnkh, v_lbnkh = _new_tokens(model, cache, tokens_bn)
+    write = jax.vmap(jax.vmap(lambda c_skh, u_nkh, i: jax.lax.dynamic_update_slice_in_dim(c_skh, u_nkh, i, 0),
+                              in_axes=(0, 0, 0)), in_axes=(0, 0, None))
+    k_lbskh = constrain(write(cache.k_lbskh, k_lbnkh.astype(cache.k_lbskh.dtype), cache.length_b), _CACHE_NAMES)
+    v_lbskh = constrain(write(cache.v_lbskh, v_lbnkh.astype(cache.v_lbskh.dtype), cache.length_b), _CACHE_NAMES)
+    # Padding past a row's suffix was written too; it lies beyond the new length, so the first
+    # decode step overwrites it before any query can see it.
+    cache = KVCache(k_lbskh, v_lbskh, cache.length_b + n_b, cache.next_pos_b + n_b)
+    logits_bv = _head(model, model.final_norm(_last_hidden(x_bnd, n_b)))
+    return _decode_loop(model, logits_bv, cache, table_sv, match0_b, force_bf, force_len_b, live_b,
+                        jnp.asarray(False), spec)
+
+
+def _decode_loop(model: Qwen3VLMoeJudge, logits_bv: jax.Array, cache: KVCache, table_sv: jax.Array,
+                 match0_b: jax.Array, force_bf: jax.Array, force_len_b: jax.Array, live_b: jax.Array,
+                 stop_at_slot: jax.Array, spec: DecodeSpec) -> Generation:
+    """Greedy decoding from the logits of each row's last prompt position and its cache."""
+    b = logits_bv.shape[0]
     n = spec.max_new_tokens
     full_state = table_sv.shape[0] - 1
-    logits_bv, cache = prefill_fn(model, inputs, inputs.input_ids_bt.shape[1] + n)
     f32 = jnp.zeros((b,), jnp.float32)
     g = _Loop(step=jnp.zeros((), jnp.int32), tokens_bn=jnp.full((b, n), spec.pad_id, jnp.int32),
               n_b=jnp.zeros((b,), jnp.int32), done_b=~live_b.astype(bool), match_b=match0_b.astype(jnp.int32),
@@ -307,24 +366,37 @@ def generate_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, table_sv: jax.Array
 # Jitted entry points
 # ---------------------------------------------------------------------------------------------
 
+@functools.partial(jax.jit, static_argnums=(0, 11))
+def _jit_generate_shared(graph: StaticGraph, state, cache, rows_b, tokens_bn, n_b, table_sv, match0_b, force_bf,
+                         force_len_b, live_b, spec):
+    return generate_shared_fn(graph.merge(state), cache, rows_b, tokens_bn, n_b, table_sv, match0_b,
+                              force_bf, force_len_b, live_b, spec)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def _jit_slot_logits(graphdef, state, inputs, pass_id, fail_id):
-    return slot_logits_fn(nnx.merge(graphdef, state), inputs, pass_id, fail_id)
+def _jit_slot_logits(graph: StaticGraph, state, inputs, pass_id, fail_id):
+    return slot_logits_fn(graph.merge(state), inputs, pass_id, fail_id)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
-def _jit_prefill(graphdef, state, inputs, cache_len):
-    return prefill_fn(nnx.merge(graphdef, state), inputs, cache_len)
+def _jit_prefill(graph: StaticGraph, state, inputs, cache_len):
+    return prefill_fn(graph.merge(state), inputs, cache_len)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7))
+def _jit_extend_slot_logits(graph: StaticGraph, state, cache, rows_b, tokens_bn, n_b, pass_id, fail_id):
+    return extend_slot_logits_fn(graph.merge(state), cache, rows_b, tokens_bn, n_b, pass_id, fail_id)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _jit_step(graphdef, state, cache, token_b):
-    return step_fn(nnx.merge(graphdef, state), cache, token_b)
+def _jit_step(graph: StaticGraph, state, cache, token_b):
+    return step_fn(graph.merge(state), cache, token_b)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 9))
-def _jit_generate(graphdef, state, inputs, table_sv, match0_b, force_bf, force_len_b, live_b, stop_at_slot, spec):
-    return generate_fn(nnx.merge(graphdef, state), inputs, table_sv, match0_b, force_bf, force_len_b, live_b,
+def _jit_generate(graph: StaticGraph, state, inputs, table_sv, match0_b, force_bf, force_len_b, live_b, stop_at_slot,
+                  spec):
+    return generate_fn(graph.merge(state), inputs, table_sv, match0_b, force_bf, force_len_b, live_b,
                        stop_at_slot, spec)
 
 
@@ -332,21 +404,29 @@ class Decoder:
     """The judge split once, with jitted prefill / step / generate (run under the model's mesh)."""
 
     def __init__(self, model: Qwen3VLMoeJudge, mesh=None):
-        self.graphdef, self.state = nnx.split(model)
+        graphdef, self.state = nnx.split(model)
+        self.graph = StaticGraph.of(graphdef)
         self.cfg = model.cfg
         self.mesh = mesh if mesh is not None else getattr(model, "mesh", None)
 
     def _run(self, fn, *args):
         if self.mesh is None:
-            return fn(self.graphdef, self.state, *args)
+            return fn(self.graph, self.state, *args)
         with jax.set_mesh(self.mesh):
-            return fn(self.graphdef, self.state, *args)
+            return fn(self.graph, self.state, *args)
 
     def slot_logits(self, inputs: JudgeInputs, pass_id: int, fail_id: int):
         return self._run(lambda gd, st, x: _jit_slot_logits(gd, st, x, int(pass_id), int(fail_id)), inputs)
 
     def prefill(self, inputs: JudgeInputs, cache_len: int) -> tuple[jax.Array, KVCache]:
         return self._run(lambda gd, st, x: _jit_prefill(gd, st, x, int(cache_len)), inputs)
+
+    def extend_slot_logits(self, cache: KVCache, rows_b, tokens_bn, n_b, pass_id: int, fail_id: int):
+        """Slot logits after each row's suffix, continuing cache row ``rows_b`` (not donated: one
+        prefix cache serves several suffix batches). The cache needs ``n`` free slots per row."""
+        args = tuple(np.asarray(a, np.int32) for a in (rows_b, tokens_bn, n_b))
+        return self._run(lambda gd, st, c, *a: _jit_extend_slot_logits(gd, st, c, *a, int(pass_id), int(fail_id)),
+                         cache, *args)
 
     def step(self, cache: KVCache, token_b) -> tuple[jax.Array, KVCache]:
         """One decode step. The cache is donated: use the returned one."""
@@ -360,6 +440,23 @@ class Decoder:
         keep the loop running). ``stop_at_slot``: leave the loop once every live row has read its
         slot (P(pass) only)."""
         b = np.asarray(inputs.input_ids_bt).shape[0]
+        force_bf, force_len_b, live_b = self._loop_args(b, spec, force_bf, force_len_b, live_b)
+        args = (inputs, table_sv, np.asarray(match0_b, np.int32), force_bf, force_len_b, live_b,
+                np.asarray(stop_at_slot, bool))
+        return self._run(lambda gd, st, *a: _jit_generate(gd, st, *a, spec), *args)
+
+    def generate_shared(self, cache: KVCache, rows_b, tokens_bn, n_b, spec: DecodeSpec, table_sv, match0_b,
+                        force_bf=None, force_len_b=None, live_b=None) -> Generation:
+        """``generate`` for suffixes continuing prefix cache rows ``rows_b`` (``Decoder.prefill``
+        with ``cache_len >= prefix bucket + suffix width + max_new_tokens``)."""
+        b = len(rows_b)
+        force_bf, force_len_b, live_b = self._loop_args(b, spec, force_bf, force_len_b, live_b)
+        args = tuple(np.asarray(a, np.int32) for a in (rows_b, tokens_bn, n_b)) + (
+            table_sv, np.asarray(match0_b, np.int32), force_bf, force_len_b, live_b)
+        return self._run(lambda gd, st, c, *a: _jit_generate_shared(gd, st, c, *a, spec), cache, *args)
+
+    @staticmethod
+    def _loop_args(b: int, spec: DecodeSpec, force_bf, force_len_b, live_b):
         if force_bf is None:
             force_bf = np.full((b, 0), spec.pad_id, np.int32)
             force_len_b = np.zeros((b,), np.int32)
@@ -370,6 +467,4 @@ class Decoder:
             raise ValueError(f"{force_bf.shape[1]} forced tokens exceed max_new_tokens={spec.max_new_tokens}")
         force_bf = np.pad(force_bf, ((0, 0), (0, width - force_bf.shape[1])), constant_values=spec.pad_id)
         live_b = np.ones((b,), bool) if live_b is None else np.asarray(live_b, bool)
-        args = (inputs, table_sv, np.asarray(match0_b, np.int32), force_bf, np.asarray(force_len_b, np.int32),
-                live_b, np.asarray(stop_at_slot, bool))
-        return self._run(lambda gd, st, *a: _jit_generate(gd, st, *a, spec), *args)
+        return force_bf, np.asarray(force_len_b, np.int32), live_b

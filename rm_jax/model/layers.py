@@ -241,22 +241,34 @@ class Attention(nnx.Module):
         y_btd = self.project_out(out_btnh)
         return (y_btd, (k_btkh, v_btkh)) if return_kv else y_btd
 
-    def decode(self, x_b1d, cos_b1d, sin_b1d, k_cache_bskh, v_cache_bskh, write_b, kv_lengths_b):
-        """One new token per row against a static-size KV cache (rm_jax.model.decode).
+    def decode(self, x_bnd, cos_bnd, sin_bnd, k_cache_bskh, v_cache_bskh, write_b, kv_lengths_b):
+        """``N >= 1`` new tokens per row against a static-size KV cache (rm_jax.model.decode).
 
         The new k/v are written at ``write_b`` (per row: right-padded prompts end at different
-        places) into this layer's cache slice, and the query attends to keys ``[0, kv_lengths_b)``,
-        which already excludes the prompt padding and the unwritten tail. Causality is implied:
-        the one query is the newest token. Returns ``(y_b1d, k_b1kh, v_b1kh)``; the caller
-        scatters k/v into the full cache once per step (in place under buffer donation)."""
-        q_b1nh, k_b1kh, v_b1kh = self.project_qkv(x_b1d, cos_b1d, sin_b1d)
-        write = jax.vmap(lambda c_skh, u_1kh, i: jax.lax.dynamic_update_slice_in_dim(c_skh, u_1kh, i, 0))
-        k_bskh = write(k_cache_bskh, k_b1kh.astype(k_cache_bskh.dtype), write_b)
-        v_bskh = write(v_cache_bskh, v_b1kh.astype(v_cache_bskh.dtype), write_b)
-        out_b1nh = jax.nn.dot_product_attention(q_b1nh, k_bskh.astype(q_b1nh.dtype), v_bskh.astype(q_b1nh.dtype),
-                                                key_value_seq_lengths=kv_lengths_b,
-                                                scale=self.head_dim ** -0.5)
-        return self.project_out(out_b1nh), k_b1kh, v_b1kh
+        places) into this layer's cache slice. New token ``i`` attends to keys
+        ``[0, kv_lengths_b + i)``: ``kv_lengths_b`` (= ``write_b + 1``) already excludes the prompt
+        padding and the unwritten tail, and the ``+ i`` is causality among the new tokens. One
+        token (a decode step) passes key lengths (flash-eligible on GPU); several (a shared-prefix
+        extension) pass a [B, 1, N, S] mask. Returns ``(y_bnd, k_bnkh, v_bnkh)``; the caller
+        scatters k/v into the full cache (in place under buffer donation) when it keeps it."""
+        q_bnnh, k_bnkh, v_bnkh = self.project_qkv(x_bnd, cos_bnd, sin_bnd)
+        write = jax.vmap(lambda c_skh, u_nkh, i: jax.lax.dynamic_update_slice_in_dim(c_skh, u_nkh, i, 0))
+        k_bskh = write(k_cache_bskh, k_bnkh.astype(k_cache_bskh.dtype), write_b)
+        v_bskh = write(v_cache_bskh, v_bnkh.astype(v_cache_bskh.dtype), write_b)
+        k_bskh, v_bskh = k_bskh.astype(q_bnnh.dtype), v_bskh.astype(q_bnnh.dtype)
+        n, s = x_bnd.shape[1], k_bskh.shape[1]
+        scale = self.head_dim ** -0.5
+        if n == 1:
+            out = jax.nn.dot_product_attention(q_bnnh, k_bskh, v_bskh, key_value_seq_lengths=kv_lengths_b,
+                                               scale=scale)
+        else:
+            seen_bn = kv_lengths_b[:, None] + jnp.arange(n)[None, :]
+            valid_bns = jnp.arange(s)[None, None, :] < seen_bn[:, :, None]
+            if self.impl == "blocked" or (self.impl == "auto" and jax.default_backend() == "cpu"):
+                out = attention_cpu.masked_attention(q_bnnh, k_bskh, v_bskh, valid_bns, scale)
+            else:
+                out = jax.nn.dot_product_attention(q_bnnh, k_bskh, v_bskh, mask=valid_bns[:, None], scale=scale)
+        return self.project_out(out), k_bnkh, v_bnkh
 
 
 class MLP(nnx.Module):

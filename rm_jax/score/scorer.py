@@ -26,6 +26,13 @@ Design choices:
   to powers of two, right padding, a fixed batch size with filler rows), so a run compiles one
   prefill (and one decode loop) per bucket, whatever the samples. Filler rows hold one pad token
   so that no row is empty; their results are dropped.
+* **Shared prefixes (GRPO groups).** Samples with one ``prompt_id`` and the same images share
+  their rendered prompt up to the response. With ``share_prefix`` (the default, verdict-first)
+  each group's longest common token prefix (at least ``min_shared_tokens``, holding every image
+  token) is prefilled once into a KV cache; each member then runs only its own tokens after it
+  (``Decoder.extend_slot_logits`` / ``generate_shared``), reading the same slot logits and decoding
+  the same text as a whole-prompt prefill (tests: equal to 1e-5, and to transformers). Samples
+  without a group are scored whole.
 * **Decoding** (``rm_jax.model.decode``): prefill into a static KV cache of ``bucket +
   max_new_tokens`` slots, then a jitted ``while_loop`` of one-token steps, stopping per row at EOS
   and as a whole when every row is done or the budget is spent. Verdict-first: the decoder starts
@@ -42,6 +49,7 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import sys
 from typing import Sequence
@@ -96,6 +104,17 @@ class _Item:
     ids: np.ndarray            # prompt + scoring prefix
 
 
+@dataclasses.dataclass
+class _PrefixGroup:
+    """Samples whose prompts start with the same tokens and images (one prompt_id): the first
+    ``n_shared`` tokens are prefilled once, each member continues with its own suffix."""
+    items: list[_Item]
+    n_shared: int
+
+    def suffix(self, it: _Item) -> np.ndarray:
+        return it.ids[self.n_shared:]
+
+
 def _probabilities(lp: float, lf: float, lse: float) -> tuple[float, float]:
     lp, lf, lse = float(lp), float(lf), float(lse)
     p_pass = 1.0 / (1.0 + math.exp(min(lf - lp, 700.0)))
@@ -106,7 +125,7 @@ def _probabilities(lp: float, lf: float, lse: float) -> tuple[float, float]:
 class Scorer:
     def __init__(self, model: Qwen3VLMoeJudge, renderer: Renderer, *, field_order: Sequence[str] | None = None,
                  buckets: Sequence[int], batch_size: int, max_new_tokens: int = 128, mesh=None,
-                 progress: bool | None = None):
+                 progress: bool | None = None, share_prefix: bool = True, min_shared_tokens: int = 32):
         order = tuple(field_order) if field_order is not None else tuple(renderer.cfg.field_order)
         if order != tuple(renderer.cfg.field_order):
             # The slot prefix and the decoded JSON follow the order the judge was trained on.
@@ -118,6 +137,7 @@ class Scorer:
         self.batch_size, self.max_new_tokens = int(batch_size), int(max_new_tokens)
         self.mesh = mesh if mesh is not None else getattr(model, "mesh", None)
         self.progress = sys.stderr.isatty() if progress is None else progress
+        self.share_prefix, self.min_shared_tokens = bool(share_prefix), int(min_shared_tokens)
         self.decoder = Decoder(model, self.mesh)
         tok = renderer.tokenizer
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else renderer.eos_id)
@@ -144,6 +164,15 @@ class Scorer:
         out: list[VerdictScore | None] = [None] * len(samples)
         for i, err in errors.items():
             out[i] = VerdictScore(samples[i].id, math.nan, math.nan, math.nan, math.nan, False, err)
+        groups: list[_PrefixGroup] = []
+        if self.verdict_first and self.share_prefix:
+            groups, items = self._prefix_groups(items)
+            for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, 0, "p_pass"):
+                lp, lf, lse = jax.device_get(self.decoder.extend_slot_logits(
+                    cache, rows_b, tokens_bn, n_b, self.pass_id, self.fail_id))
+                for k, it in enumerate(part):
+                    p, off = _probabilities(lp[k], lf[k], lse[k])
+                    out[it.index] = VerdictScore(samples[it.index].id, p, off, float(lp[k]), float(lf[k]), True, None)
         for batch, inputs in self._batches(items, "p_pass"):
             if self.verdict_first:
                 lp, lf, lse = jax.device_get(self.decoder.slot_logits(inputs, self.pass_id, self.fail_id))
@@ -174,41 +203,23 @@ class Scorer:
         for i, err in errors.items():
             out[i] = JudgeResult(samples[i].id, math.nan, None, None, (), None, False, "error", math.nan, "", 0,
                                  False, False, -1, err)
-        tok = self.renderer.tokenizer
         match0 = np.full(self.batch_size, self._full_state if self.verdict_first else 0, np.int32)
+        groups: list[_PrefixGroup] = []
+        if self.verdict_first and self.share_prefix:
+            groups, items = self._prefix_groups(items)
+        for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, self.max_new_tokens, "score"):
+            force_bf, force_len_b = self._forced(part, forced_ids)
+            gen = jax.device_get(self.decoder.generate_shared(
+                cache, rows_b, tokens_bn, n_b, self._spec, self._slot_table(), match0, force_bf, force_len_b,
+                live_b=self._live(part)))
+            for row, it in enumerate(part):
+                out[it.index] = self._result(samples[it.index].id, gen, row)
         for batch, inputs in self._batches(items, "score"):
-            force_bf = force_len_b = None
-            if forced_ids is not None:
-                rows = [list(forced_ids[it.index]) for it in batch]
-                force_bf = np.full((self.batch_size, max(len(r) for r in rows)), self.pad_id, np.int32)
-                force_len_b = np.zeros(self.batch_size, np.int32)
-                for r, ids in enumerate(rows):
-                    force_bf[r, :len(ids)], force_len_b[r] = ids, len(ids)
+            force_bf, force_len_b = self._forced(batch, forced_ids)
             gen = jax.device_get(self.decoder.generate(inputs, self._spec, self._slot_table(), match0,
                                                        force_bf, force_len_b, live_b=self._live(batch)))
             for row, it in enumerate(batch):
-                n = int(gen.n_tokens_b[row])
-                new_ids = [int(t) for t in gen.tokens_bn[row, :n]]
-                finished = bool(new_ids) and new_ids[-1] == self._spec.eos_id
-                if finished:
-                    new_ids = new_ids[:-1]
-                text = tok.decode(self.prefix_ids + new_ids, skip_special_tokens=True,
-                                  clean_up_tokenization_spaces=False)
-                parsed = target_lib.parse_output(text)
-                found = bool(gen.slot_found_b[row])
-                if found:
-                    p, off = _probabilities(gen.logit_pass_b[row], gen.logit_fail_b[row], gen.logsumexp_b[row])
-                    # The token written at the slot: the argmax verdict that was forced, or the
-                    # teacher-forced one.
-                    at_slot = int(gen.tokens_bn[row, gen.slot_step_b[row]]) if gen.slot_step_b[row] < n else -1
-                    verdict = {self.pass_id: "pass", self.fail_id: "fail"}.get(at_slot, parsed.l3)
-                else:
-                    p, off, verdict = math.nan, math.nan, parsed.l3
-                out[it.index] = JudgeResult(
-                    id=samples[it.index].id, p_pass=p, verdict=verdict, reason=parsed.reason,
-                    issues=tuple(parsed.issues), img=parsed.img, parse_ok=parsed.status != "failed",
-                    status=parsed.status, off_vocab_mass=off, text=text, n_new_tokens=n, finished=finished,
-                    slot_found=found, slot_index=int(gen.slot_step_b[row]))
+                out[it.index] = self._result(samples[it.index].id, gen, row)
         return out  # type: ignore[return-value]
 
     # -- internals ------------------------------------------------------------------------------
@@ -231,6 +242,116 @@ class Scorer:
                 continue
             items.append(_Item(i, ji, ids))
         return items, errors
+
+    def _prefix_groups(self, items: list[_Item]) -> tuple[list[_PrefixGroup], list[_Item]]:
+        """Groups of >= 2 samples with one prompt_id, identical images and a common token prefix of
+        at least ``min_shared_tokens`` that holds every image token; and the items left alone.
+
+        The prefix is the longest common *token* prefix of the rendered prompts (not the
+        conversation text), so whatever the tokenizer merged across the response boundary, each
+        member's ids are exactly its own; one token is always left as suffix (the slot's)."""
+        by_key: dict[tuple, list[_Item]] = {}
+        alone: list[_Item] = []
+        image_id = self.model.cfg.image_token_id
+        for it in items:
+            ji = it.rendered
+            if not ji.prompt_id:
+                alone.append(it)
+                continue
+            images = hashlib.sha1(np.ascontiguousarray(ji.pixel_values).tobytes()
+                                  + np.asarray(ji.image_grid_thw, np.int64).tobytes()).hexdigest()
+            by_key.setdefault((ji.prompt_id, images), []).append(it)
+        groups = []
+        for members in by_key.values():
+            if len(members) > 1:
+                shortest = min(len(it.ids) for it in members)
+                ids_mt = np.stack([it.ids[:shortest] for it in members])
+                differs = np.flatnonzero(np.any(ids_mt != ids_mt[0], axis=0))
+                n = int(differs[0]) if len(differs) else shortest
+                n = min(n, shortest - 1)
+                last_image = max((int(np.flatnonzero(it.ids == image_id)[-1]) for it in members
+                                  if np.any(it.ids == image_id)), default=-1)
+                if n >= self.min_shared_tokens and n > last_image:
+                    groups.append(_PrefixGroup(members, n))
+                    continue
+            alone.extend(members)
+        return groups, alone
+
+    def _shared_batches(self, groups: list[_PrefixGroup], extra_slots: int, desc: str):
+        """Yields (members, prefix cache, rows_b, tokens_bn, n_b): each batch of prefixes is
+        prefilled once into a cache with room for the longest suffix (+ ``extra_slots`` for
+        decoding), then the members run against their prefix's cache row, batch_size at a time.
+        Filler rows repeat row 0 with one suffix token; callers drop them."""
+        from tqdm import tqdm
+        cfg = self.model.cfg
+        collate = loader_lib.Collate(self.batch_size, self.buckets, self.pad_id, cfg.vision.patch_dim)
+        order = sorted(groups, key=lambda g: g.n_shared)
+        with tqdm(total=sum(len(g.items) for g in groups), desc=f"{desc} (shared prefixes)", unit="sample",
+                  disable=not self.progress) as bar:
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start:start + self.batch_size]
+                records = []
+                for g in chunk:
+                    ji = g.items[0].rendered
+                    records.append({"input_ids": g.items[0].ids[:g.n_shared],
+                                    "target_mask": np.zeros(g.n_shared, np.uint8), "verdict_pos": -1, "label": -1,
+                                    "route_tool_call": 0, "has_image": int(ji.has_image),
+                                    "pixel_values": ji.pixel_values, "image_grid_thw": ji.image_grid_thw})
+                b = collate(records)
+                mask = b["attention_mask"]
+                mask[len(chunk):, 0] = 1       # filler rows: one pad token, never an empty row
+                inputs = prepare_inputs(cfg, b["input_ids"], mask, b["pixel_values"], b["image_grid_thw"],
+                                        attention="lengths")
+                longest = max(len(g.suffix(it)) for g in chunk for it in g.items)
+                width = max(16, 1 << (longest - 1).bit_length())     # few static suffix widths
+                _, cache = self.decoder.prefill(self._to_device(inputs),
+                                                b["input_ids"].shape[1] + width + extra_slots)
+                rows = [(r, g, it) for r, g in enumerate(chunk) for it in g.items]
+                for r0 in range(0, len(rows), self.batch_size):
+                    part = rows[r0:r0 + self.batch_size]
+                    rows_b = np.zeros(self.batch_size, np.int32)
+                    tokens_bn = np.full((self.batch_size, width), self.pad_id, np.int32)
+                    n_b = np.ones(self.batch_size, np.int32)
+                    for k, (r, g, it) in enumerate(part):
+                        suffix = g.suffix(it)
+                        rows_b[k], tokens_bn[k, :len(suffix)], n_b[k] = r, suffix, len(suffix)
+                    yield [it for _, _, it in part], cache, rows_b, tokens_bn, n_b
+                    bar.update(len(part))
+
+    def _forced(self, batch: list[_Item], forced_ids):
+        """Teacher-forced tokens of a batch as (force_bf, force_len_b), or (None, None)."""
+        if forced_ids is None:
+            return None, None
+        rows = [list(forced_ids[it.index]) for it in batch]
+        force_bf = np.full((self.batch_size, max(len(r) for r in rows)), self.pad_id, np.int32)
+        force_len_b = np.zeros(self.batch_size, np.int32)
+        for r, ids in enumerate(rows):
+            force_bf[r, :len(ids)], force_len_b[r] = ids, len(ids)
+        return force_bf, force_len_b
+
+    def _result(self, sample_id: str, gen, row: int) -> JudgeResult:
+        """One row of a Generation: the decoded text parsed, the slot's P(pass) and verdict."""
+        n = int(gen.n_tokens_b[row])
+        new_ids = [int(t) for t in gen.tokens_bn[row, :n]]
+        finished = bool(new_ids) and new_ids[-1] == self._spec.eos_id
+        if finished:
+            new_ids = new_ids[:-1]
+        text = self.renderer.tokenizer.decode(self.prefix_ids + new_ids, skip_special_tokens=True,
+                                              clean_up_tokenization_spaces=False)
+        parsed = target_lib.parse_output(text)
+        found = bool(gen.slot_found_b[row])
+        if found:
+            p, off = _probabilities(gen.logit_pass_b[row], gen.logit_fail_b[row], gen.logsumexp_b[row])
+            # The token written at the slot: the argmax verdict that was forced, or the
+            # teacher-forced one.
+            at_slot = int(gen.tokens_bn[row, gen.slot_step_b[row]]) if gen.slot_step_b[row] < n else -1
+            verdict = {self.pass_id: "pass", self.fail_id: "fail"}.get(at_slot, parsed.l3)
+        else:
+            p, off, verdict = math.nan, math.nan, parsed.l3
+        return JudgeResult(
+            id=sample_id, p_pass=p, verdict=verdict, reason=parsed.reason, issues=tuple(parsed.issues),
+            img=parsed.img, parse_ok=parsed.status != "failed", status=parsed.status, off_vocab_mass=off,
+            text=text, n_new_tokens=n, finished=finished, slot_found=found, slot_index=int(gen.slot_step_b[row]))
 
     def _live(self, batch: list[_Item]) -> np.ndarray:
         return np.arange(self.batch_size) < len(batch)
