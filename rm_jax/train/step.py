@@ -57,7 +57,7 @@ class StepConfig:
     lb_coef: float = 0.0
     z_coef: float = 0.0
     expert_grad_dtype: str = ""     # "" = the parameter dtype
-    expert_accum_dtype: str = ""    # dtype the routed-expert gradients are summed in over microbatches ("" = param dtype)
+    expert_accum_dtype: str = ""    # dtype expert gradients are summed in over microbatches ("" = param dtype)
 
 
 class StepBuilder:
