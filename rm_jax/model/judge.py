@@ -29,7 +29,6 @@ Design choices:
 from __future__ import annotations
 
 import functools
-import itertools
 import weakref
 from typing import Any
 
@@ -86,12 +85,18 @@ def rope_index(cfg: ModelConfig, input_ids_bt: np.ndarray, image_grid_thw: np.nd
     positions = np.zeros((3, b, t), np.int64)
     for row in range(b):
         keep = np.ones(t, bool) if attention_mask_bt is None else attention_mask_bt[row].astype(bool)
-        types = (input_ids_bt[row][keep] == cfg.image_token_id).astype(np.int64)
-        chunks, pos = [], 0
-        for is_image, group in itertools.groupby(types.tolist()):
-            n = len(list(group))
-            if not is_image:
-                chunks.append(np.broadcast_to(np.arange(n) + pos, (3, n)))
+        is_image = input_ids_bt[row][keep] == cfg.image_token_id
+        # Runs of text / image tokens (vectorized: a Python loop per token costs ~0.5 ms a row).
+        cuts = np.flatnonzero(is_image[1:] != is_image[:-1]) + 1
+        starts, ends = np.r_[0, cuts], np.r_[cuts, len(is_image)]
+        row_pos = np.zeros((3, len(is_image)), np.int64)
+        pos = 0
+        for start, end in zip(starts.tolist(), ends.tolist()):
+            n = end - start
+            if n == 0:
+                continue
+            if not is_image[start]:
+                row_pos[:, start:end] = np.arange(n) + pos
                 pos += n
                 continue
             try:
@@ -103,9 +108,9 @@ def rope_index(cfg: ModelConfig, input_ids_bt: np.ndarray, image_grid_thw: np.nd
                 raise ValueError(f"an image-token run of length {n} in batch row {row} does not match "
                                  f"its grid {(gt, gh, gw)} (expects {lt * lh * lw} tokens)")
             tt, hh, ww = np.meshgrid(np.arange(lt), np.arange(lh), np.arange(lw), indexing="ij")
-            chunks.append(np.stack([tt, hh, ww]).reshape(3, -1) + pos)
+            row_pos[:, start:end] = np.stack([tt, hh, ww]).reshape(3, -1) + pos
             pos += max(gh, gw) // m
-        positions[:, row, keep] = np.concatenate(chunks, axis=1) if chunks else np.zeros((3, 0))
+        positions[:, row, keep] = row_pos
     return positions.astype(np.int32)
 
 
