@@ -323,17 +323,21 @@ class Qwen3VLMoeJudge(nnx.Module):
         value updates (``nnx.update``, an optimizer) are seen; assigning an attribute of the
         model drops the cache. (Replacing a Variable object deep inside a sub-module is not
         detected: call ``nnx.split`` yourself after such surgery.)"""
+        return self._split_and_graph()[0]
+
+    def _split_and_graph(self):
+        """((graphdef, state), StaticGraph of graphdef), cached together."""
         cached = _SPLIT_CACHE.get(self)
         if cached is None:
-            cached = _SPLIT_CACHE[self] = nnx.split(self)
+            split = nnx.split(self)
+            cached = _SPLIT_CACHE[self] = (split, StaticGraph.of(split[0]))
         return cached
 
     def forward(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None, *,
                 return_hidden: bool = False) -> JudgeOutput:
         inputs = prepare_inputs(self.cfg, input_ids, attention_mask, pixel_values, image_grid_thw,
                                 attention="auto")
-        graphdef, state = self.split_cached()
-        graph = StaticGraph.of(graphdef)
+        (_, state), graph = self._split_and_graph()
         if self.mesh is None:
             return _jit_forward(graph, state, inputs, return_hidden)
         with jax.set_mesh(self.mesh):
