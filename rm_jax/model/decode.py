@@ -231,6 +231,12 @@ def step_fn(model: Qwen3VLMoeJudge, cache: KVCache, token_b: jax.Array) -> tuple
     return logits_bv, KVCache(k_lbskh, v_lbskh, write_b + 1, cache.next_pos_b + 1)
 
 
+def _cache_rows(cache: KVCache, rows_b: jax.Array) -> KVCache:
+    """Row ``b`` of the result is row ``rows_b[b]`` of ``cache`` (one shared prefix, many rows)."""
+    return KVCache(cache.k_lbskh[:, rows_b], cache.v_lbskh[:, rows_b], cache.length_b[rows_b],
+                   cache.next_pos_b[rows_b])
+
+
 def extend_slot_logits_fn(model: Qwen3VLMoeJudge, cache: KVCache, rows_b: jax.Array, tokens_bn: jax.Array,
                           n_b: jax.Array, pass_id: int, fail_id: int):
     """Shared-prefix P(pass): slot logits of prompts that continue cached prefixes.
@@ -239,8 +245,7 @@ def extend_slot_logits_fn(model: Qwen3VLMoeJudge, cache: KVCache, rows_b: jax.Ar
     share it, e.g. a GRPO group's responses to one prompt) with its own ``n_b[b]`` suffix tokens
     (right-padded in ``tokens_bn``), which end at its verdict slot. Returns (logit_pass_b,
     logit_fail_b, logsumexp_b) there, as ``slot_logits_fn`` does for the whole prompt."""
-    cache = KVCache(cache.k_lbskh[:, rows_b], cache.v_lbskh[:, rows_b], cache.length_b[rows_b],
-                    cache.next_pos_b[rows_b])
+    cache = _cache_rows(cache, rows_b)
     x_bnd, _, _ = _new_tokens(model, cache, tokens_bn)
     logits_bv = _head(model, model.final_norm(_last_hidden(x_bnd, n_b)))
     return logits_bv[:, pass_id], logits_bv[:, fail_id], jax.nn.logsumexp(logits_bv, axis=-1)
@@ -302,8 +307,7 @@ def generate_shared_fn(model: Qwen3VLMoeJudge, cache: KVCache, rows_b: jax.Array
     each row's suffix is run against its prefix row and written into a copy of that row, then
     decoding proceeds exactly as after a full prefill. The cache needs ``N + max_new_tokens``
     free slots per row."""
-    cache = KVCache(cache.k_lbskh[:, rows_b], cache.v_lbskh[:, rows_b], cache.length_b[rows_b],
-                    cache.next_pos_b[rows_b])
+    cache = _cache_rows(cache, rows_b)
     x_bnd, k_lbnkh, v_lbnkh = _new_tokens(model, cache, tokens_bn)
     write = jax.vmap(jax.vmap(lambda c_skh, u_nkh, i: jax.lax.dynamic_update_slice_in_dim(c_skh, u_nkh, i, 0),
                               in_axes=(0, 0, 0)), in_axes=(0, 0, None))

@@ -283,29 +283,16 @@ class Scorer:
         decoding), then the members run against their prefix's cache row, batch_size at a time.
         Filler rows repeat row 0 with one suffix token; callers drop them."""
         from tqdm import tqdm
-        cfg = self.model.cfg
-        collate = loader_lib.Collate(self.batch_size, self.buckets, self.pad_id, cfg.vision.patch_dim)
         order = sorted(groups, key=lambda g: g.n_shared)
         with tqdm(total=sum(len(g.items) for g in groups), desc=f"{desc} (shared prefixes)", unit="sample",
                   disable=not self.progress) as bar:
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start:start + self.batch_size]
-                records = []
-                for g in chunk:
-                    ji = g.items[0].rendered
-                    records.append({"input_ids": g.items[0].ids[:g.n_shared],
-                                    "target_mask": np.zeros(g.n_shared, np.uint8), "verdict_pos": -1, "label": -1,
-                                    "route_tool_call": 0, "has_image": int(ji.has_image),
-                                    "pixel_values": ji.pixel_values, "image_grid_thw": ji.image_grid_thw})
-                b = collate(records)
-                mask = b["attention_mask"]
-                mask[len(chunk):, 0] = 1       # filler rows: one pad token, never an empty row
-                inputs = prepare_inputs(cfg, b["input_ids"], mask, b["pixel_values"], b["image_grid_thw"],
-                                        attention="lengths")
+                inputs = self._collate([(g.items[0].ids[:g.n_shared], g.items[0].rendered) for g in chunk])
                 longest = max(len(g.suffix(it)) for g in chunk for it in g.items)
                 width = max(16, 1 << (longest - 1).bit_length())     # few static suffix widths
                 _, cache = self.decoder.prefill(self._to_device(inputs),
-                                                b["input_ids"].shape[1] + width + extra_slots)
+                                                inputs.input_ids_bt.shape[1] + width + extra_slots)
                 rows = [(r, g, it) for r, g in enumerate(chunk) for it in g.items]
                 for r0 in range(0, len(rows), self.batch_size):
                     part = rows[r0:r0 + self.batch_size]
@@ -371,22 +358,25 @@ class Scorer:
         """Sorted by length, padded like the loader; yields (items of the batch, device JudgeInputs)."""
         from tqdm import tqdm
         order = sorted(items, key=lambda it: len(it.ids))
-        cfg = self.model.cfg
-        collate = loader_lib.Collate(self.batch_size, self.buckets, self.pad_id, cfg.vision.patch_dim)
         with tqdm(total=len(items), desc=desc, unit="sample", disable=not self.progress) as bar:
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start:start + self.batch_size]
-                records = [{"input_ids": it.ids, "target_mask": np.zeros(len(it.ids), np.uint8),
-                            "verdict_pos": -1, "label": -1, "route_tool_call": 0, "has_image": int(it.rendered.has_image),
-                            "pixel_values": it.rendered.pixel_values, "image_grid_thw": it.rendered.image_grid_thw}
-                           for it in chunk]
-                b = collate(records)
-                mask = b["attention_mask"]
-                mask[len(chunk):, 0] = 1       # filler rows: one pad token, never an empty row
-                inputs = prepare_inputs(cfg, b["input_ids"], mask, b["pixel_values"], b["image_grid_thw"],
-                                        attention="lengths")
-                yield chunk, self._to_device(inputs)
+                yield chunk, self._to_device(self._collate([(it.ids, it.rendered) for it in chunk]))
                 bar.update(len(chunk))
+
+    def _collate(self, prompts: list[tuple[np.ndarray, JudgeInput]]) -> JudgeInputs:
+        """(token ids, the rendered sample whose images they hold) -> one padded batch, as the
+        training loader pads (``loader.Collate``); filler rows hold one pad token, never empty."""
+        cfg = self.model.cfg
+        collate = loader_lib.Collate(self.batch_size, self.buckets, self.pad_id, cfg.vision.patch_dim)
+        b = collate([{"input_ids": ids, "target_mask": np.zeros(len(ids), np.uint8), "verdict_pos": -1,
+                      "label": -1, "route_tool_call": 0, "has_image": int(ji.has_image),
+                      "pixel_values": ji.pixel_values, "image_grid_thw": ji.image_grid_thw}
+                     for ids, ji in prompts])
+        mask = b["attention_mask"]
+        mask[len(prompts):, 0] = 1
+        return prepare_inputs(cfg, b["input_ids"], mask, b["pixel_values"], b["image_grid_thw"],
+                              attention="lengths")
 
     def _to_device(self, inputs: JudgeInputs) -> JudgeInputs:
         if self.mesh is None:
