@@ -8,6 +8,7 @@ the stats report. Exits 0 when at least one row is valid.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags, logging
@@ -26,6 +27,8 @@ def main(argv):
     from rm_jax.data.render import Renderer, resolve_tokenizer_dir
 
     cfg = _CONFIG.value
+    if not os.path.isfile(_INPUT.value):
+        raise app.UsageError(f"--input={_INPUT.value}: no such file (a samples JSONL, DESIGN §4)")
     tok_dir = resolve_tokenizer_dir(_TOKENIZER.value or cfg.data.get("tokenizer", ""), _INPUT.value)
     opts = build_lib.BuildOptions.from_config(cfg.data)
     renderer = Renderer.from_config(cfg.data, tok_dir, storage_dtype=opts.pixel_dtype)

@@ -45,3 +45,25 @@ def quiet_library_info(fragments: tuple[str, ...] = ("/orbax/",)) -> None:
     handler.addFilter(_DropLibraryInfo(fragments))
     py_logging.getLogger().setLevel(py_logging.INFO)
     logging.set_verbosity(logging.INFO)
+
+
+def define_reward_flags():
+    """The reward's weights and rule penalties as flags (defaults: the field report's formula).
+    Returns a function giving ``(RewardWeights, RulePenalties)`` after flag parsing."""
+    from absl import flags
+
+    from rm_jax.score.reward import RewardWeights
+    from rm_jax.score.rules import RulePenalties
+    w, p = RewardWeights(), RulePenalties()
+    f_pass = flags.DEFINE_float("w_p_pass", w.p_pass, "reward weight of (2 P(pass) - 1)")
+    f_issues = flags.DEFINE_float("w_issues", w.issues, "reward weight per issue the judge lists (subtracted)")
+    f_img = flags.DEFINE_float("w_img", w.img, "reward weight of (img - 5) / 5 (0 without an image)")
+    f_gate = flags.DEFINE_float("gate_reward", p.gate_reward, "total reward of a malformed or unknown tool call")
+    f_missing = flags.DEFINE_float("missing_required_penalty", p.missing_required, "rule score per missing required arg")
+    f_dup = flags.DEFINE_float("duplicate_call_penalty", p.duplicate_call, "rule score per duplicate call")
+
+    def values():
+        return (RewardWeights(p_pass=f_pass.value, issues=f_issues.value, img=f_img.value),
+                RulePenalties(gate_reward=f_gate.value, missing_required=f_missing.value,
+                              duplicate_call=f_dup.value))
+    return values

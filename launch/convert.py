@@ -2,7 +2,14 @@
 
     python -m launch.convert --hf_dir=D --out=C                 # HF safetensors -> Orbax (C)
     python -m launch.convert --to_hf --ckpt=C --out=D           # Orbax (C) -> HF safetensors (D)
+    python -m launch.convert --to_hf --ckpt=C --hf_dir=D        # same
     python -m launch.convert --to_hf --hf_dir=D --out=C         # same, flags read symmetrically
+    python -m launch.convert --to_hf --ckpt=W [--step=N] --out=D  # a trained judge (launch.train --workdir=W)
+
+``--ckpt`` with ``--to_hf`` takes a checkpoint written here, a training workdir (the step is
+``--step``, else the sweep's chosen step, else the latest), or one of its ``checkpoints/N`` dirs.
+A trained judge is exported with its run's tokenizer and image processor files, so the HF dir
+is complete.
 
 An Orbax checkpoint dir holds ``state/`` (the NNX param tree, saved with Orbax's
 StandardCheckpointer) and ``config.json`` (the HF config, so the model can be rebuilt without the
@@ -20,7 +27,8 @@ from absl import app, flags, logging
 
 flags.DEFINE_string("hf_dir", None, "transformers checkpoint dir (input, or output with --to_hf and no --ckpt)")
 flags.DEFINE_string("out", None, "output dir (Orbax checkpoint; HF dir with --to_hf --ckpt)")
-flags.DEFINE_string("ckpt", None, "Orbax checkpoint dir to read with --to_hf")
+flags.DEFINE_string("ckpt", None, "with --to_hf: a launch.convert Orbax dir, a training workdir or W/checkpoints/N")
+flags.DEFINE_integer("step", None, "with --to_hf and a training workdir: the step (default: the sweep's choice, else the latest)")
 flags.DEFINE_bool("to_hf", False, "convert an Orbax checkpoint back to HF safetensors")
 flags.DEFINE_string("dtype", "float32", "param dtype to load/export (float32 | bfloat16)")
 flags.DEFINE_enum("expert_layout", None, ["published", "transformers", "in_out", "out_in"],
@@ -84,8 +92,46 @@ def orbax_to_model(ckpt, *, mesh=None):
     return model, cfg
 
 
-def orbax_to_hf(ckpt, out, *, dtype=None, expert_layout=None) -> Path:
+def _training_run(ckpt: Path, step: int | None) -> tuple[Path, int | None] | None:
+    """(workdir, step) when ``ckpt`` is a training workdir or one of its ``checkpoints/N``."""
+    if (ckpt / "manifest.json").is_file() and (ckpt / "checkpoints").is_dir():
+        return ckpt, step
+    if ckpt.parent.name == "checkpoints" and ckpt.name.isdigit() and (ckpt.parent.parent / "manifest.json").is_file():
+        if step is not None and step != int(ckpt.name):
+            raise app.UsageError(f"--step={step} contradicts the checkpoint dir {ckpt}")
+        return ckpt.parent.parent, int(ckpt.name)
+    return None
+
+
+def _copy_tokenizer(workdir: Path, out: Path) -> None:
+    """The run's tokenizer + image processor files next to the exported weights."""
+    import shutil
+    from rm_jax.score.checkpoints import run_data_dir
+    data_manifest = Path(run_data_dir(str(workdir))) / "manifest.json"
+    tok_dir = Path(json.loads(data_manifest.read_text()).get("tokenizer_dir", "")) if data_manifest.is_file() else None
+    if tok_dir is None or not tok_dir.is_dir():
+        logging.warning("the run's tokenizer was not found (data manifest %s): exported weights and config only",
+                        data_manifest)
+        return
+    for src in tok_dir.iterdir():
+        if src.is_file() and src.name != "config.json":
+            shutil.copy2(src, out / src.name)
+
+
+def orbax_to_hf(ckpt, out, *, dtype=None, expert_layout=None, step: int | None = None) -> Path:
     from rm_jax.model.hf import save_hf
+    ckpt = Path(ckpt).absolute()
+    run = _training_run(ckpt, step)
+    if run is not None:
+        from rm_jax.score.checkpoints import load_judge
+        model, _, used = load_judge(str(run[0]), run[1])
+        path = save_hf(model, out, dtype=dtype, expert_layout=expert_layout)
+        _copy_tokenizer(run[0], path)
+        logging.info("exported the judge of %s at step %d", run[0], used)
+        return path
+    if not (ckpt / "rm_jax.json").is_file():
+        raise FileNotFoundError(f"{ckpt}: neither a launch.convert Orbax checkpoint (no rm_jax.json) nor a "
+                                f"training workdir (no manifest.json + checkpoints/) nor W/checkpoints/N")
     model, _ = orbax_to_model(ckpt)
     return save_hf(model, out, dtype=dtype, expert_layout=expert_layout)
 
@@ -94,10 +140,15 @@ def main(argv):
     del argv
     f = flags.FLAGS
     if f.to_hf:
-        src, dst = (f.ckpt, f.out) if f.ckpt else (f.out, f.hf_dir)
+        if f.ckpt:
+            if f.out and f.hf_dir:
+                raise app.UsageError("--to_hf --ckpt=C: give the HF output dir once, as --out=D or --hf_dir=D")
+            src, dst = f.ckpt, f.out or f.hf_dir
+        else:
+            src, dst = f.out, f.hf_dir
         if not src or not dst:
             raise app.UsageError("--to_hf needs --ckpt=C --out=D (or --out=C --hf_dir=D)")
-        path = orbax_to_hf(src, dst, dtype=None, expert_layout=f.expert_layout)
+        path = orbax_to_hf(src, dst, dtype=None, expert_layout=f.expert_layout, step=f.step)
         logging.info("single process; wrote HF checkpoint %s from %s", path, src)
     else:
         if not f.hf_dir or not f.out:

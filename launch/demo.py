@@ -4,7 +4,8 @@
 
 Each stage runs through its own CLI (exactly what a user would type), timed:
 synth -> build_data -> train -> sweep -> score. Writes WORKDIR/report.json (with a `chosen`
-object: the step and the judge_metrics keys), WORKDIR/report.md and the sweep's plots.
+object: the step and the judge_metrics keys), WORKDIR/report.md and WORKDIR/plots/ (the sweep's
+plots and the training curve). Runs from any directory.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import time
 
 from absl import app, flags
 
+from launch.common import DEFAULT_CONFIG, REPO_ROOT
+
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "where everything is written")
 _N = flags.DEFINE_integer("n", 10000, "synthetic samples")
 # Real teacher data fails ~8% of the time; a 10-minute CPU run needs more failures to learn from.
 _FAIL_RATE = flags.DEFINE_float("fail_rate", 0.3, "synthetic failure rate")
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
-_CONFIG = flags.DEFINE_string("config", "configs/tiny.py", "config file for every stage")
+_CONFIG = flags.DEFINE_string("config", DEFAULT_CONFIG, "config file for every stage")
 _TRAIN_STEPS = flags.DEFINE_integer("train_steps", 0, "override train.steps (0 = the config's epochs)")
 _SCORE_N = flags.DEFINE_integer("score_n", 64, "rows of the input scored by the score stage")
 _SWEEP_MAX = flags.DEFINE_integer("sweep_max_samples", 700, "held-out samples the sweep scores per checkpoint (0 = all)")
@@ -33,7 +36,8 @@ def _run(stage: str, args: list[str], timings: dict) -> None:
     cmd = [sys.executable, "-m", f"launch.{stage}", *args]
     print(f"\n=== {stage}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.time()
-    subprocess.run(cmd, check=True)
+    # From the repo root, so `-m launch.<stage>` resolves without an installed package too.
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT)
     timings[stage] = round(time.time() - t0, 2)
     print(f"=== {stage} done in {timings[stage]:.1f}s", flush=True)
 
@@ -62,7 +66,7 @@ def _loader_check(data_dir: str, timings: dict) -> dict:
 
 def main(argv):
     del argv
-    work = _WORKDIR.value
+    work = os.path.abspath(_WORKDIR.value)   # the stages run from the repo root
     os.makedirs(work, exist_ok=True)
     data, shards, run = (os.path.join(work, d) for d in ("data", "shards", "train"))
     timings: dict[str, float] = {}
@@ -95,18 +99,34 @@ def main(argv):
         sweep = json.load(f)
     with open(os.path.join(work, "scores.jsonl")) as f:
         scores = [json.loads(line) for line in f]
-    write_report(work, timings, stats, loader_info, sweep, scores)
+    plots = collect_plots(work, run, sweep["plots"])
+    write_report(work, timings, stats, loader_info, sweep, scores, plots)
     print(f"\nreport: {work}/report.md")
 
 
-def write_report(work, timings, stats, loader_info, sweep, scores) -> None:
+def collect_plots(work: str, run: str, sweep_plots: dict) -> dict:
+    """W/plots/: the sweep's plots (copied from the training workdir) and the training curve."""
+    from rm_jax.eval.plots import plot_training
+    from rm_jax.train.metrics_log import read_metrics
+    out_dir = os.path.join(work, "plots")
+    os.makedirs(out_dir, exist_ok=True)
+    plots = {}
+    for name, path in sweep_plots.items():
+        plots[name] = os.path.join(out_dir, os.path.basename(path))
+        shutil.copy2(path, plots[name])
+    plots["training"] = plot_training(read_metrics(run),
+                                      os.path.join(out_dir, "training_loss.png"))
+    return plots
+
+
+def write_report(work, timings, stats, loader_info, sweep, scores, plots) -> None:
     from rm_jax.eval.metrics import METRIC_KEYS
     chosen = {"step": sweep["chosen"]["step"], **{k: sweep["chosen"][k] for k in METRIC_KEYS}}
     scored = [s for s in scores if "error" not in s]
     report = {"workdir": work, "wall_seconds": timings, "chosen": chosen,
               "chosen_reason": sweep["chosen"]["reason"], "sweep_rows": sweep["rows"],
               "reward_validation": sweep["reward_validation"], "shortcut_baseline": sweep["shortcut_baseline"],
-              "build_stats": stats, "loader": loader_info, "plots": sweep["plots"],
+              "build_stats": stats, "loader": loader_info, "plots": plots,
               "score": {"rows": len(scores), "scored": len(scored), "errors": len(scores) - len(scored)}}
     with open(os.path.join(work, "report.json"), "w") as f:
         json.dump(report, f, indent=2, default=list)

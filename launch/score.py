@@ -21,6 +21,7 @@ _OUT = flags.DEFINE_string("out", None, "output JSONL", required=True)
 _TOKENIZER = flags.DEFINE_string("tokenizer", "", "tokenizer dir (default: the one the training data used)")
 _BATCH = flags.DEFINE_integer("batch_size", 16, "scoring batch")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "decoding budget after the verdict")
+_REWARD = define_reward_flags()
 
 
 def main(argv):
@@ -29,7 +30,7 @@ def main(argv):
     from rm_jax.score.run import score_file
 
     summary = score_file(_WORKDIR.value, _INPUT.value, _OUT.value, step=_STEP.value, tokenizer=_TOKENIZER.value,
-                         batch_size=_BATCH.value, max_new_tokens=_MAX_NEW.value)
+                         batch_size=_BATCH.value, max_new_tokens=_MAX_NEW.value, reward=_REWARD())
     print(summary)
 
 

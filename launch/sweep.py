@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from launch.common import quiet_library_info
+from launch.common import define_reward_flags, quiet_library_info
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training workdir (holds checkpoints/)", required=True)
 _DATA = flags.DEFINE_string("data", None, "built shard directory (launch.build_data --out)", required=True)
@@ -19,6 +19,7 @@ _BATCH = flags.DEFINE_integer("batch_size", 16, "scoring batch")
 _AUC_TOL = flags.DEFINE_float("auc_tolerance", 0.015, "selection: AUC within this of the best")
 _MIN_MZ = flags.DEFINE_float("min_middle_zone", 0.05, "selection: minimum middle-zone share")
 _OBJECTIVE = flags.DEFINE_enum("objective", "fail_f1", ["fail_f1", "auc", "val_loss"], "selection objective")
+_REWARD = define_reward_flags()   # the reward validation of the chosen step
 
 
 def main(argv):
@@ -29,7 +30,7 @@ def main(argv):
 
     rule = SelectionRule(auc_tolerance=_AUC_TOL.value, min_middle_zone=_MIN_MZ.value, objective=_OBJECTIVE.value)
     out = run_sweep(_WORKDIR.value, _DATA.value, rule=rule, decode=_DECODE.value, max_samples=_MAX.value,
-                    batch_size=_BATCH.value, progress=True)
+                    batch_size=_BATCH.value, progress=True, reward=_REWARD())
     with open(f"{_WORKDIR.value}/sweep.md") as f:
         print(f.read())
     print(f"chosen step {out['chosen']['step']}: {out['chosen']['reason']}")

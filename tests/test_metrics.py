@@ -97,8 +97,10 @@ def test_optional_rates_and_slices():
     assert got["mean_off_vocab_mass"] == pytest.approx(0.01)
     for name, m in (("tool_call", tool_call), ("text_only", ~tool_call)):
         want = judge_metrics([labels[i] for i in np.flatnonzero(m)], p[m],
-                             [img_pred[i] for i in np.flatnonzero(m)], [img_true[i] for i in np.flatnonzero(m)])
+                             [img_pred[i] for i in np.flatnonzero(m)], [img_true[i] for i in np.flatnonzero(m)],
+                             parse_ok=parse_ok[m], off_vocab_mass=mass[m])
         assert got["slices"][name] == pytest.approx(want, nan_ok=True)
+        assert got["slices"][name]["parse_failure_rate"] == pytest.approx(np.mean(~parse_ok[m]))
     assert got["slices"]["tool_call"]["n"] + got["slices"]["text_only"]["n"] == 200
     assert got["slices"]["empty"]["n"] == 0 and math.isnan(got["slices"]["empty"]["auc"])
     # JSON-safe: NaN becomes null.

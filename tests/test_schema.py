@@ -59,21 +59,27 @@ def test_bad_rows_each_get_a_reason(tmp_path):
         b"",                                                                                  # blank: not a row
         json.dumps(_good(10, messages=[{"role": "user", "content": [
             {"type": "image", "image": "ok.png"}]}])).encode(),
+        json.dumps(_good(11, label={"l3": "pass", "img": float("nan")})).encode(),          # NaN img
+        json.dumps(_good(12, messages=[{"role": "tool", "tool_call_id": {"a": 1},
+                                        "content": "{}"}])).encode(),                        # id not a string
+        b"[" * 100_000 + b"]" * 100_000,                                                      # nested too deep
     ]
     path = tmp_path / "samples.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     items = list(schema.read_samples(str(path)))
-    assert len(items) == 11
+    assert len(items) == 14
     kept = [x for x in items if isinstance(x, Sample)]
     rejects = {x.line: x for x in items if isinstance(x, Reject)}
     assert [s.id for s in kept] == ["s1", "s10"]
     want = {2: "malformed_json", 3: "missing_field", 4: "unknown_role", 5: "missing_image", 6: "non_utf8",
-            7: "empty_response", 8: "invalid_label", 9: "invalid_label", 10: "duplicate_id"}
+            7: "empty_response", 8: "invalid_label", 9: "invalid_label", 10: "duplicate_id",
+            13: "invalid_label", 14: "bad_type", 15: "malformed_json"}
     assert {k: r.reason for k, r in rejects.items()} == want
     assert "field response" in rejects[3].detail and "line 3" in rejects[3].detail and "s3" in rejects[3].detail
     assert "messages[0].role" in rejects[4].detail
     assert "messages[0].content[0].image" in rejects[5].detail
-    assert "label.img" in rejects[9].detail
+    assert "label.img" in rejects[9].detail and "label.img" in rejects[13].detail
+    assert "messages[0].tool_call_id" in rejects[14].detail
 
 
 def test_image_paths_relative_to_jsonl_and_data_uri(tmp_path):

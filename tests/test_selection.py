@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from rm_jax.eval.plots import plot_p_pass_hist, plot_reliability, plot_reward_hist, plot_sweep
+from rm_jax.eval.plots import plot_p_pass_hist, plot_reliability, plot_reward_hist, plot_sweep, plot_training
 from rm_jax.eval.selection import Choice, SelectionRule, SweepRow, format_table, select_checkpoint
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -113,7 +113,9 @@ def test_plots_write_pngs(tmp_path):
              plot_sweep(REPORT_LIKE[:2], None, str(tmp_path / "sub" / "sweep2.png")),
              plot_reliability(labels, p, str(tmp_path / "rel.png"), bins=10),
              plot_p_pass_hist(labels, p, str(tmp_path / "hist.png")),
-             plot_reward_hist(labels, 2 * p - 1, str(tmp_path / "reward.png"))]
+             plot_reward_hist(labels, 2 * p - 1, str(tmp_path / "reward.png")),
+             plot_training([{"step": s, "loss": 3.0 / s, **({"val_loss": 2.0 / s} if s % 5 == 0 else {})}
+                            for s in range(1, 40)], str(tmp_path / "train.png"))]
     for path in paths:
         assert os.path.getsize(path) > 1000
         with open(path, "rb") as f:
@@ -123,3 +125,31 @@ def test_plots_write_pngs(tmp_path):
 def test_choice_is_a_record():
     c = select_checkpoint(REPORT_LIKE)
     assert isinstance(c, Choice) and isinstance(c.candidates, list)
+
+
+def test_unscored_samples_are_counted_not_guessed():
+    """A reason-first judge that never wrote the verdict slot (or a too-long prompt) has no
+    P(pass): the sweep's metrics leave it out and count it, and equal judge_metrics on the rest."""
+    from types import SimpleNamespace
+
+    from rm_jax.data.schema import parse_sample
+    from rm_jax.eval.metrics import judge_metrics
+    from rm_jax.eval.sweep import evaluate_results
+    rng = np.random.default_rng(0)
+    samples, results = [], []
+    for i in range(40):
+        label = "fail" if i % 3 == 0 else "pass"
+        samples.append(parse_sample({"id": f"s{i}", "messages": [{"role": "user", "content": "hi"}],
+                                     "response": {"content": "hello"}, "label": {"l3": label}},
+                                    line=i + 1, base_dir="."))
+        lost = i % 7 == 0
+        results.append(SimpleNamespace(p_pass=float("nan") if lost else float(rng.random()), slot_found=not lost,
+                                       error="too_long: x" if i == 5 else None, off_vocab_mass=0.0))
+    got = evaluate_results(samples, results)
+    keep = [i for i in range(40) if i % 7 and i != 5]
+    want = judge_metrics([samples[i].label.l3 for i in keep], [results[i].p_pass for i in keep],
+                         off_vocab_mass=[0.0] * len(keep))
+    assert got["n_unscored"] == 40 - len(keep) and got["n"] == len(keep)
+    assert got["auc"] == pytest.approx(want["auc"]) and got["fail_f1"] == pytest.approx(want["fail_f1"])
+    none = evaluate_results(samples[:2], [results[0], results[0]])
+    assert none["n"] == 0 and none["n_unscored"] == 2 and np.isnan(none["auc"])

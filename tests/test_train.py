@@ -252,3 +252,18 @@ def test_resume_refuses_checkpoints_trained_on_other_data(tmp_path):
     (data / "manifest.json").write_text('{"examples": 11}')        # rebuilt
     with pytest.raises(ValueError, match="trained on other data"):
         check_resume_data(str(work), str(data))
+
+
+def test_metrics_log_survives_a_torn_last_line(tmp_path):
+    """SIGKILL mid-write leaves a partial last line: resume truncates past it instead of failing;
+    an unparsable line anywhere else is corruption and is reported."""
+    from rm_jax.train.metrics_log import MetricsWriter
+    rows = [{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
+    assert read_metrics(str(tmp_path)) == rows
+    MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False).close()
+    assert read_metrics(str(tmp_path)) == rows[:2]
+    path.write_text(json.dumps(rows[0]) + "\n{bad\n" + json.dumps(rows[1]) + "\n")
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        read_metrics(str(tmp_path))

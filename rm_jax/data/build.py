@@ -94,6 +94,10 @@ def build(input_path: str, out_dir: str, renderer: Renderer, opts: BuildOptions,
             rejects.append(Reject(sample.line, sample.id, e.reason,
                                   f"line {sample.line}, id {sample.id}, field {e.field}: {e.detail}"))
             continue
+        except Exception as e:   # noqa: BLE001 -- one bad row is rejected with its reason, never fatal
+            rejects.append(Reject(sample.line, sample.id, "render_error",
+                                  f"line {sample.line}, id {sample.id}: {type(e).__name__}: {e}"))
+            continue
         if ex.length > opts.max_len:
             too_long_lengths.append(ex.length)
             rejects.append(Reject(sample.line, sample.id, "too_long",

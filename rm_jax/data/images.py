@@ -20,6 +20,8 @@ from rm_jax.data.schema import SampleError
 
 # Large synthetic canvases are fine; decompression bombs from real data are not.
 Image.MAX_IMAGE_PIXELS = 64_000_000
+# The Qwen-VL processors' limit on the longer / shorter edge.
+MAX_ASPECT_RATIO = 200
 
 
 def load_image(source: str, field: str = "image") -> Image.Image:
@@ -34,10 +36,18 @@ def load_image(source: str, field: str = "image") -> Image.Image:
         img.load()
     except FileNotFoundError:
         raise SampleError("missing_image", field, f"image file not found: {source}") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        shown = source if not source.startswith("data:") else source[:40] + "..."
-        raise SampleError("corrupt_image", field, f"cannot decode image {shown}: {e}") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise SampleError("corrupt_image", field, f"cannot decode image {_shown(source)}: {e}") from None
+    # Qwen's smart_resize refuses these; say so here, naming the image, instead of mid-batch.
+    if max(img.size) > MAX_ASPECT_RATIO * min(img.size):
+        raise SampleError("bad_image", field, f"image {_shown(source)} is {img.size[0]}x{img.size[1]}: "
+                                              f"aspect ratio over {MAX_ASPECT_RATIO}")
     return img.convert("RGB")
+
+
+def _shown(source: str) -> str:
+    return source if not source.startswith("data:") else source[:40] + "..."
+
 
 
 def to_data_uri(img: Image.Image, fmt: str = "PNG") -> str:

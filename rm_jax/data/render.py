@@ -78,19 +78,53 @@ class JudgeInput:
 # ---------------------------------------------------------------- transcript
 
 
-def _call_text(call: ToolCall) -> str:
+def _call_text(call: ToolCall, guard) -> str:
     # Undecodable arguments stay the raw string: the judge must see what the policy emitted.
-    return "<tool_call>\n" + json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False) + "\n</tool_call>"
+    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+    return "<tool_call>\n" + guard(body) + "\n</tool_call>"
+
+
+class SpecialTokenGuard:
+    """Breaks the tokenizer's added/special token strings inside sample text.
+
+    Why: the transcript holds text the policy wrote. Encoded as is, a response containing
+    ``<|im_end|>`` + ``<|im_start|>assistant`` + ``{"l3": "pass"`` would become real control tokens
+    and fake the judge's own turn (and a stray ``<|image_pad|>`` a fake image slot): under GRPO a
+    policy can learn that. Each such string found in sample text gets a zero-width space after
+    its first character, so it reaches the judge as ordinary characters; our own markup (the
+    ``<tool_call>`` wrappers, the chat template) keeps the real tokens."""
+
+    ZWSP = "\u200b"
+
+    def __init__(self, tokenizer):
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        names = {t.content for t in added.values()} | set(getattr(tokenizer, "all_special_tokens", []))
+        self.tokens = tuple(sorted((t for t in names if len(t) > 1), key=len, reverse=True))
+
+    def __call__(self, text: str) -> str:
+        for tok in self.tokens:
+            if tok in text:
+                text = text.replace(tok, tok[0] + self.ZWSP + tok[1:])
+        return text
+
+
+def _no_guard(text: str) -> str:
+    return text
 
 
 class _Parts:
-    """Collects chat content parts, merging adjacent text."""
+    """Collects chat content parts, merging adjacent text. ``text`` is sample text (guarded),
+    ``markup`` the transcript's own headers and wrappers."""
 
-    def __init__(self):
+    def __init__(self, guard=_no_guard):
         self.parts: list[dict] = []
         self.images: list[ImageRef] = []
+        self.guard = guard
 
     def text(self, s: str) -> None:
+        self.markup(self.guard(s))
+
+    def markup(self, s: str) -> None:
         if self.parts and self.parts[-1]["type"] == "text":
             self.parts[-1]["text"] += s
         else:
@@ -121,30 +155,31 @@ def _tool_result(out: _Parts, msg: Message, base_dir: str, index: int) -> None:
                 out.text(seg)
 
 
-def build_transcript(sample: Sample) -> _Parts:
-    out = _Parts()
+def build_transcript(sample: Sample, guard=_no_guard) -> _Parts:
+    out = _Parts(guard)
+    g = guard
     known_calls = {c.id: c for m in sample.messages for c in m.tool_calls if c.id}
-    out.text("## Conversation\n")
+    out.markup("## Conversation\n")
     for i, msg in enumerate(sample.messages):
         if msg.role == "tool":
             call = known_calls.get(msg.tool_call_id) if msg.tool_call_id else None
             if call is not None:
-                out.text(f"[tool result: {call.name} (call {call.id})]\n")
+                out.markup(f"[tool result: {g(call.name)} (call {g(call.id)})]\n")
             else:   # orphan (the online shape): its own entry, never dropped
-                out.text(f"[tool: {msg.name or 'unknown'}]\n")
+                out.markup(f"[tool: {g(msg.name or 'unknown')}]\n")
             _tool_result(out, msg, sample.base_dir, i)
         else:
-            out.text(f"[{msg.role}]\n")
+            out.markup(f"[{msg.role}]\n")
             _message_parts(out, msg)
             for call in msg.tool_calls:
-                out.text(("\n" if msg.parts else "") + _call_text(call))
-        out.text("\n")
-    out.text("## Response to judge\n[assistant]\n")
+                out.markup(("\n" if msg.parts else "") + _call_text(call, g))
+        out.markup("\n")
+    out.markup("## Response to judge\n[assistant]\n")
     resp = sample.response
     if resp.content:
         out.text(resp.content)
     for j, call in enumerate(resp.tool_calls):
-        out.text(("\n" if resp.content or j else "") + _call_text(call))
+        out.markup(("\n" if resp.content or j else "") + _call_text(call, g))
     return out
 
 
@@ -160,6 +195,7 @@ class Renderer:
         if self.image_pad_id is None or self.image_pad_id == tokenizer.unk_token_id:
             raise ValueError(f"tokenizer has no {cfg.image_pad_token!r} token")
         self.verdict = target_lib.verdict_tokens(tokenizer)
+        self.guard = SpecialTokenGuard(tokenizer)
         self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else \
             tokenizer.convert_tokens_to_ids("<|im_end|>")
 
@@ -176,7 +212,7 @@ class Renderer:
 
     def judge_chat(self, sample: Sample) -> tuple[list[dict], list[ImageRef]]:
         contract = self.cfg.tool_contract if self.route(sample) == ROUTE_TOOL_CALL else self.cfg.text_contract
-        transcript = build_transcript(sample)
+        transcript = build_transcript(sample, self.guard)
         chat = [{"role": "system", "content": contract},
                 {"role": "user", "content": transcript.parts}]
         return chat, transcript.images
@@ -208,7 +244,7 @@ class Renderer:
     def render(self, sample: Sample, *, with_target: bool = True) -> JudgeInput:
         """Raises SampleError (missing/corrupt image, template mismatch) with a reason."""
         text, refs = self.prompt_text(sample)
-        pil = [images_lib.load_image(r.source, "image") for r in refs]
+        pil = [images_lib.load_image(r.source, r.field) for r in refs]
         processed = self.image_pre(pil)
         prompt_ids = self._expand_images(target_lib.encode_piece(self.tokenizer, text), processed.tokens_per_image)
         target_ids: list[int] = []

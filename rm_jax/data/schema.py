@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Iterator
 
@@ -39,8 +40,10 @@ class SampleError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ImageRef:
-    """A reference image: a resolved file path or a data URI."""
+    """A reference image: a resolved file path or a data URI, and the sample field it came from
+    (named in errors when the file cannot be decoded)."""
     source: str
+    field: str = dataclasses.field(default="image", compare=False)
 
     @property
     def is_data_uri(self) -> bool:
@@ -129,6 +132,14 @@ def _require(obj: dict, key: str, field: str):
     return obj[key]
 
 
+def render_error(e: Exception) -> str:
+    """The recorded reason for a sample that failed to render: SampleError's own reason, or any
+    other exception's type and message (one bad row is rejected with its reason, never fatal)."""
+    if isinstance(e, SampleError):
+        return f"{e.reason}: {e}"
+    return f"render_error: {type(e).__name__}: {e}"
+
+
 def _expect_type(value, types, field: str, what: str):
     if not isinstance(value, types):
         raise SampleError("bad_type", field, f"expected {what}, got {type(value).__name__}")
@@ -140,11 +151,11 @@ def resolve_image(source: Any, base_dir: str, field: str) -> ImageRef:
     if source.startswith("data:"):
         if not source.startswith("data:image/") or ";base64," not in source:
             raise SampleError("bad_image_uri", field, "data URI must be data:image/...;base64,...")
-        return ImageRef(source)
+        return ImageRef(source, field)
     path = source if os.path.isabs(source) else os.path.join(base_dir, source)
     if not os.path.isfile(path):
         raise SampleError("missing_image", field, f"image file not found: {source}")
-    return ImageRef(os.path.normpath(path))
+    return ImageRef(os.path.normpath(path), field)
 
 
 def looks_like_image_ref(value: Any) -> bool:
@@ -217,7 +228,8 @@ def _parse_tool_calls(calls: Any, field: str) -> tuple[ToolCall, ...]:
         fn = _expect_type(_require(call, "function", cf), dict, cf + ".function", "an object")
         name = _expect_type(_require(fn, "name", cf + ".function"), str, cf + ".function.name", "a string")
         args, depth, ok = decode_arguments(fn.get("arguments", {}))
-        out.append(ToolCall(id=call.get("id"), name=name, arguments=args, encode_depth=depth, decoded=ok))
+        out.append(ToolCall(id=_optional_str(call, "id", cf), name=name, arguments=args, encode_depth=depth,
+                            decoded=ok))
     return tuple(out)
 
 
@@ -230,8 +242,16 @@ def _parse_message(msg: Any, base_dir: str, field: str) -> Message:
     tool_calls = _parse_tool_calls(msg.get("tool_calls"), field + ".tool_calls") if role == "assistant" else ()
     if role == "tool" and not parts:
         raise SampleError("missing_field", field + ".content", "tool message without content")
-    return Message(role=role, parts=parts, tool_call_id=msg.get("tool_call_id"), name=msg.get("name"),
-                   tool_calls=tool_calls)
+    return Message(role=role, parts=parts, tool_call_id=_optional_str(msg, "tool_call_id", field),
+                   name=_optional_str(msg, "name", field), tool_calls=tool_calls)
+
+
+def _optional_str(obj: dict, key: str, field: str) -> str | None:
+    """An optional string field (ids, names): absent/null -> None, anything but a string is refused."""
+    value = obj.get(key)
+    if value is not None:
+        _expect_type(value, str, f"{field}.{key}", "a string or null")
+    return value
 
 
 def _parse_label(label: Any, has_image: bool) -> Label:
@@ -247,7 +267,9 @@ def _parse_label(label: Any, has_image: bool) -> Label:
         raise SampleError("invalid_label", "label.issues", "every issue must be a string")
     img = label.get("img")
     if img is not None:
-        if isinstance(img, bool) or not isinstance(img, (int, float)) or img != int(img) or not 0 <= img <= 10:
+        # isfinite first: json.loads accepts NaN and Infinity, on which int() raises.
+        if (isinstance(img, bool) or not isinstance(img, (int, float)) or not math.isfinite(img)
+                or img != int(img) or not 0 <= img <= 10):
             raise SampleError("invalid_label", "label.img", f"img {img!r} is not an integer in 0..10 or null")
         img = int(img)
     # The image term means nothing without an image: null it whatever the teacher wrote.
@@ -319,6 +341,8 @@ def parse_line(raw: bytes, *, line: int, base_dir: str, require_label: bool = Tr
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return Reject(line, None, "malformed_json", f"line {line}: {e.msg} at column {e.colno}")
+    except RecursionError:
+        return Reject(line, None, "malformed_json", f"line {line}: JSON nested too deeply to parse")
     sid = obj.get("id") if isinstance(obj, dict) else None
     sid = str(sid) if isinstance(sid, (str, int)) and not isinstance(sid, bool) else None
     try:

@@ -163,18 +163,21 @@ def judge_metrics(labels: Sequence[Any], p_pass: Sequence[float], img_pred: Sequ
     pred_img = optional_floats(img_pred, n, "img_pred")
     true_img = optional_floats(img_true, n, "img_true")
 
-    result = _core_metrics(y_fail, p, pred_img, true_img)
-    if parse_ok is not None:
-        ok = _mask(parse_ok, n, "parse_ok")
-        result["parse_failure_rate"] = float(np.mean(~ok))
-    if off_vocab_mass is not None:
-        mass = _probabilities(off_vocab_mass, n, "off_vocab_mass")
-        result["mean_off_vocab_mass"] = float(mass.mean())
+    ok = None if parse_ok is None else _mask(parse_ok, n, "parse_ok")
+    mass = None if off_vocab_mass is None else _probabilities(off_vocab_mass, n, "off_vocab_mass")
+
+    def metrics_over(m: np.ndarray) -> dict:
+        out = _core_metrics(y_fail[m], p[m], pred_img[m], true_img[m])
+        if ok is not None:
+            out["parse_failure_rate"] = float(np.mean(~ok[m])) if m.any() else math.nan
+        if mass is not None:
+            out["mean_off_vocab_mass"] = float(mass[m].mean()) if m.any() else math.nan
+        return out
+
+    result = metrics_over(np.ones(n, bool))
     if slices is not None:
-        result["slices"] = {}
-        for name, mask in slices.items():
-            m = _mask(mask, n, f"slices[{name!r}]")
-            result["slices"][name] = _core_metrics(y_fail[m], p[m], pred_img[m], true_img[m])
+        result["slices"] = {name: metrics_over(_mask(mask, n, f"slices[{name!r}]"))
+                            for name, mask in slices.items()}
     return result
 
 

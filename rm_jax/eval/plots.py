@@ -7,6 +7,7 @@
 * `plot_p_pass_hist`: P(pass) by teacher label with the middle zone [0.2, 0.8] shaded; an empty
   band is the 0/1 judge that gives GRPO no within-group spread.
 * `plot_reward_hist`: total reward by teacher label.
+* `plot_training`: train loss (and held-out loss where logged) vs step, from W/metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -124,4 +125,21 @@ def plot_reward_hist(labels: Sequence, rewards: Sequence[float], path: str, bins
     ax.set_ylabel("count")
     ax.legend(fontsize=8)
     ax.set_title("reward by teacher label")
+    return _save(fig, path)
+
+
+def plot_training(metrics: Sequence[dict], path: str) -> str:
+    """Train loss per logged step and validation loss where it was logged (W/metrics.jsonl rows)."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    train = [(m["step"], m["loss"]) for m in metrics if "loss" in m]
+    val = [(m["step"], m["val_loss"]) for m in metrics if m.get("val_loss") is not None]
+    if train:
+        ax.plot(*zip(*train), "-", color="tab:blue", alpha=0.8, label="train loss")
+    if val:
+        ax.plot(*zip(*val), "o-", color="black", label="held-out loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (target tokens)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
     return _save(fig, path)

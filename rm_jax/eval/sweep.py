@@ -25,10 +25,12 @@ from rm_jax.data.render import Renderer
 from rm_jax.data.schema import Sample, read_samples
 from rm_jax.eval import plots
 from rm_jax.eval.baseline import shortcut_baseline
-from rm_jax.eval.metrics import judge_metrics, to_jsonable
+from rm_jax.eval.metrics import METRIC_KEYS, judge_metrics, to_jsonable
 from rm_jax.eval.reward_report import format_markdown, reward_report
 from rm_jax.eval.selection import SelectionRule, SweepRow, format_table, select_checkpoint
-from rm_jax.score.reward import compute_reward, sample_has_image
+from rm_jax.score.reward import RewardWeights, compute_reward, sample_has_image
+from rm_jax.score.rules import RulePenalties
+from rm_jax.train.metrics_log import read_metrics
 
 
 def split_samples(data_dir: str) -> dict[str, list[Sample]]:
@@ -69,8 +71,31 @@ def _slices(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
     return {"tool_call": tool, "text_only": ~tool, "with_image": img, "without_image": ~img}
 
 
+def has_p_pass(result) -> bool:
+    """Scored: no render/length error, and (a reason-first judge) the decoder wrote the slot."""
+    return result.error is None and result.slot_found
+
+
+def scored_pairs(samples: Sequence[Sample], results: Sequence) -> tuple[list[Sample], list]:
+    """The (sample, result) pairs that have a P(pass), as two aligned lists."""
+    pairs = [(s, r) for s, r in zip(samples, results) if has_p_pass(r)]
+    return [s for s, _ in pairs], [r for _, r in pairs]
+
+
 def evaluate_results(samples: Sequence[Sample], results: Sequence) -> dict:
-    """`results` are JudgeResults (decoded) or VerdictScores (--nodecode: no img, no parse status)."""
+    """`results` are JudgeResults (decoded) or VerdictScores (--nodecode: no img, no parse status).
+
+    Samples without a P(pass) (a reason-first judge that never wrote the verdict slot, a prompt
+    over the largest bucket) are not guessed at: they are left out of every metric and counted
+    as ``n_unscored``; a judge that loses many of them shows it there, not as a made-up score."""
+    n_total = len(samples)
+    samples, results = scored_pairs(samples, results)
+    if not samples:
+        return {"n": 0, "n_fail": 0, **{k: float("nan") for k in METRIC_KEYS[2:]}, "n_unscored": n_total}
+    return {**_judge_metrics(samples, results), "n_unscored": n_total - len(samples)}
+
+
+def _judge_metrics(samples: Sequence[Sample], results: Sequence) -> dict:
     labels = [s.label.l3 for s in samples]
     decoded = all(hasattr(r, "parse_ok") for r in results)
     return judge_metrics(labels, [r.p_pass for r in results],
@@ -81,28 +106,26 @@ def evaluate_results(samples: Sequence[Sample], results: Sequence) -> dict:
                          slices=_slices(samples))
 
 
-def reward_records(samples: Sequence[Sample], results: Sequence) -> list[dict]:
+def reward_records(samples: Sequence[Sample], results: Sequence,
+                   reward: tuple[RewardWeights, RulePenalties] = (RewardWeights(), RulePenalties())) -> list[dict]:
     out = []
     for s, r in zip(samples, results):
         issues = list(getattr(r, "issues", ()))   # undecoded (--nodecode): P(pass) and rules only
-        rw = compute_reward(s, r.p_pass, issues, getattr(r, "img", None))
+        rw = compute_reward(s, r.p_pass, issues, getattr(r, "img", None), *reward)
         out.append({"id": s.id, "prompt_id": s.prompt_id, "label": s.label.l3, "reward": rw.reward,
                     "rule_score": rw.rule_score, "p_pass": r.p_pass, "n_issues": len(issues)})
     return out
 
 
 def val_losses(workdir: str) -> dict[int, float]:
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_metrics(workdir)
     return {int(r["step"]): float(r["val_loss"]) for r in rows if r.get("val_loss") is not None}
 
 
 def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRule(), decode: bool = True,
               max_samples: int = 0, batch_size: int = 16, max_new_tokens: int = 64,
-              progress: bool = False) -> dict:
+              progress: bool = False,
+              reward: tuple[RewardWeights, RulePenalties] = (RewardWeights(), RulePenalties())) -> dict:
     from rm_jax.score.checkpoints import list_steps, load_judge, read_run_config
     from rm_jax.score.scorer import Scorer
 
@@ -132,17 +155,20 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
     choice = select_checkpoint(rows, rule)
     naive = select_checkpoint(rows, SelectionRule.lowest_val_loss()) if any(r.val_loss is not None for r in rows) else None
     chosen = per_step[choice.step]
-    rewards = reward_records(heldout, chosen.results)
+    chosen_samples, chosen_results = scored_pairs(heldout, chosen.results)
+    rewards = reward_records(chosen_samples, chosen_results, reward)
     reward_val = reward_report(rewards)
     baseline = shortcut_baseline(splits["train"], heldout)
 
+    labels = [s.label.l3 for s in chosen_samples]
+    p_pass = [r.p_pass for r in chosen_results]
     plot_paths = {
         "sweep": plots.plot_sweep(rows, choice.step, os.path.join(workdir, "plots", "sweep_metrics.png")),
-        "reliability": plots.plot_reliability([s.label.l3 for s in heldout], [r.p_pass for r in chosen.results],
+        "reliability": plots.plot_reliability(labels, p_pass,
                                               os.path.join(workdir, "plots", f"reliability_step{choice.step}.png")),
-        "p_pass_hist": plots.plot_p_pass_hist([s.label.l3 for s in heldout], [r.p_pass for r in chosen.results],
+        "p_pass_hist": plots.plot_p_pass_hist(labels, p_pass,
                                               os.path.join(workdir, "plots", f"p_pass_hist_step{choice.step}.png")),
-        "reward_hist": plots.plot_reward_hist([s.label.l3 for s in heldout], [r["reward"] for r in rewards],
+        "reward_hist": plots.plot_reward_hist(labels, [r["reward"] for r in rewards],
                                               os.path.join(workdir, "plots", f"reward_hist_step{choice.step}.png")),
     }
     out = to_jsonable({
@@ -151,7 +177,8 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
         "chosen": {"step": choice.step, "reason": choice.reason, "candidates": choice.candidates,
                    "fallback": choice.fallback, **chosen.metrics},
         "lowest_val_loss_step": naive.step if naive else None,
-        "reward_validation": reward_val, "shortcut_baseline": baseline, "plots": plot_paths,
+        "reward_validation": reward_val,
+        "reward_config": {"weights": dataclasses.asdict(reward[0]), "penalties": dataclasses.asdict(reward[1])}, "shortcut_baseline": baseline, "plots": plot_paths,
         "seconds": round(time.time() - t0, 2), "seconds_per_step": {s: round(v.seconds, 2) for s, v in per_step.items()},
     })
     with open(os.path.join(workdir, "sweep.json"), "w") as f:

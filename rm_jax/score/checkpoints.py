@@ -41,6 +41,14 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(manifest["config"])
 
 
+def run_data_dir(workdir: str) -> str:
+    """The run's data directory as an absolute path (the manifest's ``data_dir``; the config keeps
+    the path as given on the command line, relative to wherever training was launched)."""
+    with open(os.path.join(workdir, "manifest.json")) as f:
+        manifest = json.load(f)
+    return manifest.get("data_dir") or os.path.abspath(manifest["config"]["data"]["dir"])
+
+
 def chosen_step(workdir: str) -> int | None:
     """The sweep's chosen step, or None when there is no sweep.json."""
     path = os.path.join(workdir, "sweep.json")

@@ -10,23 +10,29 @@ from __future__ import annotations
 import json
 import os
 
-from rm_jax.data.schema import Reject, SampleError, read_samples
-from rm_jax.score.reward import compute_reward
+from rm_jax.data.schema import Reject, read_samples, render_error
+from rm_jax.score.reward import RewardWeights, compute_reward
+from rm_jax.score.rules import RulePenalties
 
 
 def _renderer_for(workdir: str, tokenizer: str):
     from rm_jax.data.render import Renderer
-    from rm_jax.score.checkpoints import read_run_config
+    from rm_jax.score.checkpoints import read_run_config, run_data_dir
     cfg = read_run_config(workdir)
-    data_dir = cfg.data.dir
-    with open(os.path.join(data_dir, "manifest.json")) as f:
+    path = os.path.join(run_data_dir(workdir), "manifest.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: the training data manifest is gone (its renderer settings and "
+                                f"tokenizer are needed to score with the run in {workdir})")
+    with open(path) as f:
         manifest = json.load(f)
     return cfg, Renderer.from_config(cfg.data, tokenizer or manifest["tokenizer_dir"],
                                      storage_dtype=manifest["build_options"]["pixel_dtype"])
 
 
 def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None = None, tokenizer: str = "",
-               batch_size: int = 16, max_new_tokens: int = 64, progress: bool = True) -> dict:
+               batch_size: int = 16, max_new_tokens: int = 64, progress: bool = True,
+               reward: tuple[RewardWeights, RulePenalties] = (RewardWeights(), RulePenalties())) -> dict:
+    """Score ``input_path`` into ``out_path``; ``reward`` = (weights, rule penalties)."""
     from rm_jax.score.checkpoints import load_judge
     from rm_jax.score.scorer import Scorer
 
@@ -36,12 +42,12 @@ def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None
     good = []
     for item in read_samples(input_path, require_label=False):
         if isinstance(item, Reject):
-            rows.append({"id": item.id, "error": f"{item.reason}: {item.detail}"})
+            rows.append({"id": item.id, "line": item.line, "error": f"{item.reason}: {item.detail}"})
             continue
         try:
             renderer.render(item, with_target=False)   # images decode, template fits
-        except SampleError as e:
-            rows.append({"id": item.id, "error": f"{e.reason}: {e}"})
+        except Exception as e:   # noqa: BLE001 -- one bad row never stops the run; its reason is kept
+            rows.append({"id": item.id, "line": item.line, "error": render_error(e)})
             continue
         rows.append(None)
         good.append(item)
@@ -57,10 +63,10 @@ def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None
                 if r.error is not None or not r.slot_found:
                     # Over the largest bucket (the scorer's own check), or a reason-first judge
                     # that never wrote the verdict slot: no P(pass), so no reward either.
-                    row = {"id": sample.id,
+                    row = {"id": sample.id, "line": sample.line,
                            "error": r.error or "no_verdict_slot: the judge's output has no \"l3\" value"}
                 else:
-                    rw = compute_reward(sample, r.p_pass, list(r.issues), r.img)
+                    rw = compute_reward(sample, r.p_pass, list(r.issues), r.img, *reward)
                     row = {"id": sample.id, "p_pass": r.p_pass, "verdict": r.verdict, "reason": r.reason,
                            "issues": list(r.issues), "img": r.img, "parse_ok": r.parse_ok,
                            "off_vocab_mass": r.off_vocab_mass, "rule_score": rw.rule_score,

@@ -61,7 +61,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rm_jax.data import loader as loader_lib
 from rm_jax.data import target as target_lib
 from rm_jax.data.render import JudgeInput, Renderer
-from rm_jax.data.schema import Sample, SampleError
+from rm_jax.data.schema import Sample, render_error
 from rm_jax.model.decode import SLOT_PATTERN, DecodeSpec, Decoder, slot_automaton
 from rm_jax.model.judge import JudgeInputs, Qwen3VLMoeJudge, prepare_inputs
 from rm_jax.sharding import logical_to_spec
@@ -233,8 +233,8 @@ class Scorer:
         for i, s in enumerate(samples):
             try:
                 ji = self.renderer.render(s, with_target=False)
-            except SampleError as e:
-                errors[i] = f"{e.reason}: {e}"
+            except Exception as e:   # noqa: BLE001 -- recorded per sample; the rest are scored
+                errors[i] = render_error(e)
                 continue
             ids = np.concatenate([ji.input_ids, np.asarray(self.prefix_ids, np.int32)]).astype(np.int32)
             if len(ids) > self.buckets[-1]:

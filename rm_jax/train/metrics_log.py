@@ -31,8 +31,7 @@ class MetricsWriter:
     def _truncate_after(self, step: int) -> None:
         if not os.path.exists(self.path):
             return
-        with open(self.path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        keep = [json.dumps(row) + "\n" for row in _parse_rows(self.path) if row.get("step", 0) <= step]
         with open(self.path, "w") as f:
             f.writelines(keep)
 
@@ -53,6 +52,22 @@ class MetricsWriter:
 
 
 def read_metrics(workdir: str) -> list[dict]:
+    """W/metrics.jsonl as a list of rows ([] when the file does not exist yet)."""
     path = os.path.join(workdir, "metrics.jsonl")
+    return _parse_rows(path) if os.path.exists(path) else []
+
+
+def _parse_rows(path: str) -> list[dict]:
+    """The file's rows. A kill mid-write can leave the *last* line torn: it is dropped (the step
+    it logged is re-run after resume); an unparsable line anywhere else is corruption and raises."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i + 1} is not JSON ({e.msg})") from None
+    return rows
