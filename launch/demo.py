@@ -147,6 +147,7 @@ def write_report(work, timings, stats, loader_info, sweep, scores, plots) -> Non
               f"{stats['rejected_by_reason']}. Splits: {stats['splits']}. Oversampling: {stats['oversampling']}.",
               f"Loader check: fail share in the training stream {loader_info['fail_share_in_stream']:.1%}.",
               "", f"Score stage: {report['score']['scored']} rows scored, {report['score']['errors']} errors.",
+              "", "## Plots", "", *[f"- {name}: `{os.path.relpath(path, work)}`" for name, path in plots.items()],
               "", sweep_md.replace("# Checkpoint sweep", "## Checkpoint sweep")]
     with open(os.path.join(work, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
