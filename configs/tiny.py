@@ -88,7 +88,9 @@ def train_config() -> ml_collections.ConfigDict:
         epochs=0.75,                 # the demo's 10k samples: ~610 steps, ~9 min on 2 CPU cores
         global_batch=16,
         grad_accum=1,
-        lr=1e-3,                     # a random-init tiny model needs far more than the 5e-6 of a real SFT start
+        # A random-init tiny model needs far more than the 5e-6 of a real SFT start: 3e-3 gave held-out
+        # AUC 0.704 at 600 steps against 0.684 for 1e-3 (same data; training loss 0.28 vs 0.31).
+        lr=3e-3,
         warmup_steps=20,
         end_lr_ratio=0.1,
         weight_decay=0.0,
