@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from launch.common import quiet_library_info
+from launch.common import define_reward_flags, quiet_library_info
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training workdir", required=True)
 _STEP = flags.DEFINE_integer("step", None, "checkpoint step (default: the sweep's choice, else latest)")
