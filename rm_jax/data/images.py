@@ -49,7 +49,6 @@ def _shown(source: str) -> str:
     return source if not source.startswith("data:") else source[:40] + "..."
 
 
-
 def to_data_uri(img: Image.Image, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
     img.save(buf, format=fmt)
