@@ -107,6 +107,16 @@ class SpecialTokenGuard:
                 text = text.replace(tok, tok[0] + self.ZWSP + tok[1:])
         return text
 
+    def json(self, value):
+        """Every string (keys too) of a JSON value guarded, e.g. a tool schema."""
+        if isinstance(value, str):
+            return self(value)
+        if isinstance(value, dict):
+            return {self(k): self.json(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.json(v) for v in value]
+        return value
+
 
 def _no_guard(text: str) -> str:
     return text
@@ -219,7 +229,8 @@ class Renderer:
 
     def prompt_text(self, sample: Sample) -> tuple[str, list[ImageRef]]:
         chat, refs = self.judge_chat(sample)
-        text = self.tokenizer.apply_chat_template(chat, tools=list(sample.tools) or None,
+        tools = [self.guard.json(t) for t in sample.tools]   # schemas come from data files too
+        text = self.tokenizer.apply_chat_template(chat, tools=tools or None,
                                                   add_generation_prompt=True, tokenize=False)
         return text, refs
 
