@@ -49,10 +49,10 @@ def quiet_library_info(fragments: tuple[str, ...] = ("/orbax/",)) -> None:
 
 def define_reward_flags():
     """The reward's weights and rule penalties as flags (defaults: the field report's formula).
-    Returns a function giving ``(RewardWeights, RulePenalties)`` after flag parsing."""
+    Returns a function giving the ``RewardSettings`` after flag parsing."""
     from absl import flags
 
-    from rm_jax.score.reward import RewardWeights
+    from rm_jax.score.reward import RewardSettings, RewardWeights
     from rm_jax.score.rules import RulePenalties
     w, p = RewardWeights(), RulePenalties()
     f_pass = flags.DEFINE_float("w_p_pass", w.p_pass, "reward weight of (2 P(pass) - 1)")
@@ -63,7 +63,7 @@ def define_reward_flags():
     f_dup = flags.DEFINE_float("duplicate_call_penalty", p.duplicate_call, "rule score per duplicate call")
 
     def values():
-        return (RewardWeights(p_pass=f_pass.value, issues=f_issues.value, img=f_img.value),
-                RulePenalties(gate_reward=f_gate.value, missing_required=f_missing.value,
-                              duplicate_call=f_dup.value))
+        return RewardSettings(RewardWeights(p_pass=f_pass.value, issues=f_issues.value, img=f_img.value),
+                              RulePenalties(gate_reward=f_gate.value, missing_required=f_missing.value,
+                                            duplicate_call=f_dup.value))
     return values

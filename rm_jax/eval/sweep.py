@@ -28,8 +28,7 @@ from rm_jax.eval.baseline import shortcut_baseline
 from rm_jax.eval.metrics import METRIC_KEYS, judge_metrics, to_jsonable
 from rm_jax.eval.reward_report import format_markdown, reward_report
 from rm_jax.eval.selection import SelectionRule, SweepRow, format_table, select_checkpoint
-from rm_jax.score.reward import RewardWeights, compute_reward, sample_has_image
-from rm_jax.score.rules import RulePenalties
+from rm_jax.score.reward import RewardSettings, compute_reward, sample_has_image
 from rm_jax.train.metrics_log import read_metrics
 
 
@@ -107,7 +106,7 @@ def _judge_metrics(samples: Sequence[Sample], results: Sequence) -> dict:
 
 
 def reward_records(samples: Sequence[Sample], results: Sequence,
-                   reward: tuple[RewardWeights, RulePenalties] = (RewardWeights(), RulePenalties())) -> list[dict]:
+                   reward: RewardSettings = RewardSettings()) -> list[dict]:
     out = []
     for s, r in zip(samples, results):
         issues = list(getattr(r, "issues", ()))   # undecoded (--nodecode): P(pass) and rules only
@@ -125,7 +124,7 @@ def val_losses(workdir: str) -> dict[int, float]:
 def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRule(), decode: bool = True,
               max_samples: int = 0, batch_size: int = 16, max_new_tokens: int = 64,
               progress: bool = False,
-              reward: tuple[RewardWeights, RulePenalties] = (RewardWeights(), RulePenalties())) -> dict:
+              reward: RewardSettings = RewardSettings()) -> dict:
     from rm_jax.score.checkpoints import list_steps, load_judge, read_run_config
     from rm_jax.score.scorer import Scorer
 
@@ -178,7 +177,7 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
                    "fallback": choice.fallback, **chosen.metrics},
         "lowest_val_loss_step": naive.step if naive else None,
         "reward_validation": reward_val,
-        "reward_config": {"weights": dataclasses.asdict(reward[0]), "penalties": dataclasses.asdict(reward[1])}, "shortcut_baseline": baseline, "plots": plot_paths,
+        "reward_config": reward.to_json(), "shortcut_baseline": baseline, "plots": plot_paths,
         "seconds": round(time.time() - t0, 2), "seconds_per_step": {s: round(v.seconds, 2) for s, v in per_step.items()},
     })
     with open(os.path.join(workdir, "sweep.json"), "w") as f:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from rm_jax.data.schema import Response
 from rm_jax.score.rules import RulePenalties, RuleResult, check_response
@@ -36,6 +36,15 @@ class RewardWeights:
     p_pass: float = 1.0
     issues: float = 0.5
     img: float = 0.5
+
+
+class RewardSettings(NamedTuple):
+    """The reward's configuration as the CLIs pass it on (``compute_reward(..., *settings)``)."""
+    weights: RewardWeights = RewardWeights()
+    penalties: RulePenalties = RulePenalties()
+
+    def to_json(self) -> dict:
+        return {"weights": dataclasses.asdict(self.weights), "penalties": dataclasses.asdict(self.penalties)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,8 +11,7 @@ import json
 import os
 
 from rm_jax.data.schema import Reject, read_samples, render_error
-from rm_jax.score.reward import RewardWeights, compute_reward
-from rm_jax.score.rules import RulePenalties
+from rm_jax.score.reward import RewardSettings, compute_reward
 
 
 def _renderer_for(workdir: str, tokenizer: str):
@@ -31,7 +30,7 @@ def _renderer_for(workdir: str, tokenizer: str):
 
 def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None = None, tokenizer: str = "",
                batch_size: int = 16, max_new_tokens: int = 64, progress: bool = True,
-               reward: tuple[RewardWeights, RulePenalties] = (RewardWeights(), RulePenalties())) -> dict:
+               reward: RewardSettings = RewardSettings()) -> dict:
     """Score ``input_path`` into ``out_path``; ``reward`` = (weights, rule penalties)."""
     from rm_jax.score.checkpoints import load_judge
     from rm_jax.score.scorer import Scorer
