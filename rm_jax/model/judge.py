@@ -118,6 +118,27 @@ def _to_numpy(x):
     return None if x is None else np.asarray(jax.device_get(x))
 
 
+def check_processor_extras(cfg: ModelConfig, input_ids, mm_token_type_ids=None, pixel_values_videos=None,
+                           video_grid_thw=None) -> None:
+    """The processor outputs the judge does not consume: videos are refused; ``mm_token_type_ids``
+    (Qwen3-VL processors return it by default) must agree with the types derived from the ids."""
+    if pixel_values_videos is not None or video_grid_thw is not None:
+        raise ValueError("video inputs (pixel_values_videos / video_grid_thw) are not supported: the judge "
+                         "reads images only")
+    if mm_token_type_ids is None:
+        return
+    ids = _to_numpy(input_ids)
+    types = _to_numpy(mm_token_type_ids)
+    if types.shape != ids.shape:
+        raise ValueError(f"mm_token_type_ids has shape {types.shape} but input_ids has {ids.shape}")
+    derived = np.where(ids == cfg.image_token_id, 1, np.where(ids == cfg.video_token_id, 2, 0))
+    if not np.array_equal(types, derived):
+        bad = tuple(int(i) for i in np.argwhere(types != derived)[0])
+        raise ValueError(f"mm_token_type_ids disagrees with input_ids at {bad}: type {int(types[bad])}, but the "
+                         f"token {int(ids[bad])} gives {int(derived[bad])} (image token id {cfg.image_token_id}, "
+                         f"video {cfg.video_token_id}); the processor and the model config name different tokens")
+
+
 def prepare_inputs(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None,
                    image_grid_thw=None, *, attention: str = "mask",
                    frame_capacity: int | None = None) -> JudgeInputs:
@@ -334,7 +355,9 @@ class Qwen3VLMoeJudge(nnx.Module):
         return cached
 
     def forward(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None, *,
+                mm_token_type_ids=None, pixel_values_videos=None, video_grid_thw=None,
                 return_hidden: bool = False) -> JudgeOutput:
+        check_processor_extras(self.cfg, input_ids, mm_token_type_ids, pixel_values_videos, video_grid_thw)
         inputs = prepare_inputs(self.cfg, input_ids, attention_mask, pixel_values, image_grid_thw,
                                 attention="auto")
         (_, state), graph = self._split_and_graph()
@@ -343,8 +366,13 @@ class Qwen3VLMoeJudge(nnx.Module):
         with jax.set_mesh(self.mesh):
             return _jit_forward(graph, state, inputs, return_hidden)
 
-    def __call__(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None):
-        return self.forward(input_ids, attention_mask, pixel_values, image_grid_thw).logits_btv
+    def __call__(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None, *,
+                 mm_token_type_ids=None, pixel_values_videos=None, video_grid_thw=None):
+        """Logits [B, T, V]. Takes a Qwen-VL processor's output as is (``model(**inputs)``); the
+        token types are derived from the image token id, so ``mm_token_type_ids`` is only checked."""
+        return self.forward(input_ids, attention_mask, pixel_values, image_grid_thw,
+                            mm_token_type_ids=mm_token_type_ids, pixel_values_videos=pixel_values_videos,
+                            video_grid_thw=video_grid_thw).logits_btv
 
 
 _SPLIT_CACHE: "weakref.WeakKeyDictionary[Qwen3VLMoeJudge, tuple]" = weakref.WeakKeyDictionary()
