@@ -58,6 +58,7 @@ def hf_to_orbax(hf_dir, out, *, dtype="float32", expert_layout=None, mesh=None) 
         ckptr.save(out / "state", nnx.to_pure_dict(nnx.state(model, nnx.Param)), force=True)
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
     (out / "rm_jax.json").write_text(json.dumps({"expert_layout": cfg.hf_expert_layout, "dtype": dtype,
+                                                 "tensor_dtypes": cfg.hf_tensor_dtypes,
                                                  "source": str(hf_dir)}, indent=2))
     return out
 
@@ -75,7 +76,8 @@ def orbax_to_model(ckpt, *, mesh=None):
     meta = json.loads((ckpt / "rm_jax.json").read_text())
     runtime = RuntimeOptions(dtype=meta["dtype"], param_dtype=meta["dtype"])
     cfg = ModelConfig.from_hf_dict(json.loads((ckpt / "config.json").read_text()), runtime)
-    cfg = dataclasses.replace(cfg, hf_expert_layout=meta.get("expert_layout"))
+    cfg = dataclasses.replace(cfg, hf_expert_layout=meta.get("expert_layout"),
+                              hf_tensor_dtypes=meta.get("tensor_dtypes"))
     model = abstract_model(cfg)
     graphdef, params = nnx.split(model, nnx.Param)
     if mesh is not None:

@@ -100,3 +100,79 @@ def test_convert_cli_roundtrip_through_orbax(hf_ckpt, tmp_path):
     orbax_to_hf(ckpt, tmp_path / "back")
     assert_same_tensors(path / "model.safetensors", tmp_path / "back" / "model.safetensors")
     assert json.loads((tmp_path / "back" / "config.json").read_text())["text_config"]["num_experts"] == 7
+
+
+def _text_only_parity(path, ids):
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    hf = Qwen3VLMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    mask = np.ones_like(ids)
+    return rel_err(load_hf(path)[0](ids, mask), hf_forward(hf, ids, mask)[0])
+
+
+def test_checkpoint_quirks_load_as_transformers_reads_them(tmp_path):
+    """What transformers does with odd but real checkpoints, we do too:
+    - H == I: down_proj's shape cannot tell the layout, gate_up's can (no flag needed);
+    - norm_topk_prob=false: Qwen3-VL-MoE's router renormalizes anyway;
+    - a tied config whose checkpoint stores a different lm_head.weight is loaded untied;
+    - a stale rope_scaling dict wins over rope_parameters, and a text-level rope_theta fills it."""
+    cfg = parity_hf_config(hidden_size=40, moe_intermediate_size=40, num_hidden_layers=2, mlp_only_layers=[],
+                           norm_topk_prob=False, tie_word_embeddings=True)
+    cfg["vision_config"].update(depth=1, deepstack_visual_indexes=[0], out_hidden_size=40)
+    path = tmp_path / "quirks"
+    build_hf(cfg, path)
+    tensors = read_safetensors(path / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = np.random.default_rng(3).standard_normal(
+        tensors["model.language_model.embed_tokens.weight"].shape).astype(np.float32)
+    write_safetensors(path / "model.safetensors", tensors)
+    raw = json.loads((path / "config.json").read_text())
+    raw["text_config"].update(rope_theta=999.0, rope_scaling=dict(
+        rope_type="default", mrope_section=[4, 2, 2], mrope_interleaved=True))
+    (path / "config.json").write_text(json.dumps(raw))
+    ids = np.random.default_rng(1).integers(10, 512, (2, 48))
+    assert _text_only_parity(path, ids) < 2e-4
+    model, loaded = load_hf(path)
+    assert not loaded.tie_word_embeddings and loaded.text.rope_theta == 999.0
+    assert loaded.hf_expert_layout == "out_in"
+
+
+def test_each_tensor_exports_in_its_own_dtype(hf_ckpt, tmp_path):
+    """fp32 norms among bf16 weights (and no top-level "dtype" in config.json) round-trip bit for bit."""
+    import ml_dtypes
+    path, _, _ = hf_ckpt
+    mixed = tmp_path / "mixed"
+    shutil.copytree(path, mixed)
+    tensors = read_safetensors(mixed / "model.safetensors")
+    for k in tensors:
+        if "norm" not in k:
+            tensors[k] = tensors[k].astype(ml_dtypes.bfloat16)
+    write_safetensors(mixed / "model.safetensors", tensors)
+    raw = json.loads((mixed / "config.json").read_text())
+    raw.pop("dtype", None)
+    (mixed / "config.json").write_text(json.dumps(raw))
+    model, _ = load_hf(mixed)
+    save_hf(model, tmp_path / "export")
+    assert_same_tensors(mixed / "model.safetensors", tmp_path / "export" / "model.safetensors")
+
+
+def test_broken_checkpoints_get_clear_errors(hf_ckpt, tmp_path):
+    path, _, _ = hf_ckpt
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match="truncated or corrupt safetensors"):
+        load_hf(bad)
+    (bad / "model.safetensors").write_bytes(data)
+    raw = json.loads((bad / "config.json").read_text())
+    del raw["text_config"]["num_hidden_layers"]
+    (bad / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="text_config.num_hidden_layers is missing"):
+        load_hf(bad)
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_hf(bad)
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_hf(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="floating dtype"):
+        load_hf(path, dtype="int8")

@@ -23,7 +23,7 @@ _TEXT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediat
               "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "num_experts", "num_experts_per_tok", "decoder_sparse_step", "mlp_only_layers",
               "rms_norm_eps", "hidden_act", "attention_bias", "max_position_embeddings",
-              "norm_topk_prob", "tie_word_embeddings", "rope_parameters", "rope_scaling",
+              "tie_word_embeddings", "rope_parameters", "rope_scaling",
               "rope_theta", "num_local_experts", "model_type")
 _VISION_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
                 "patch_size", "spatial_merge_size", "temporal_patch_size", "out_hidden_size",
@@ -117,6 +117,9 @@ class ModelConfig:
     # On-disk fused-expert layout of the checkpoint this came from ("in_out" | "out_in"); export
     # writes the same layout back so a round trip is bit-exact.
     hf_expert_layout: str | None = dataclasses.field(default=None, compare=False)
+    # Safetensors dtype of each tensor of that checkpoint ({hf key: "BF16" | "F32" ...}); export
+    # writes each one back in its own dtype.
+    hf_tensor_dtypes: Mapping[str, str] | None = dataclasses.field(default=None, compare=False)
 
     def replace_runtime(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, runtime=dataclasses.replace(self.runtime, **kw))
@@ -130,9 +133,10 @@ class ModelConfig:
             raise ConfigError("config: expected a Qwen3-VL-MoE config with 'text_config' and "
                               f"'vision_config'; got keys {sorted(d)}")
         t, v = dict(d["text_config"]), dict(d["vision_config"])
-        text = _text_from_hf(t)
-        vision = _vision_from_hf(v)
-        tie = bool(d.get("tie_word_embeddings", t.get("tie_word_embeddings", False)))
+        text = _required(_text_from_hf, t, "text_config")
+        vision = _required(_vision_from_hf, v, "vision_config")
+        # transformers ties by the top-level key only (default False), whatever text_config says.
+        tie = bool(d.get("tie_word_embeddings", False))
         return cls(
             text=text, vision=vision,
             image_token_id=int(d.get("image_token_id", 151655)),
@@ -155,7 +159,7 @@ class ModelConfig:
             num_experts=t.num_experts, num_experts_per_tok=t.num_experts_per_tok,
             decoder_sparse_step=t.decoder_sparse_step, mlp_only_layers=list(t.mlp_only_layers),
             rms_norm_eps=t.rms_norm_eps, hidden_act="silu", attention_bias=False,
-            max_position_embeddings=t.max_position_embeddings, norm_topk_prob=t.norm_topk_prob,
+            max_position_embeddings=t.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings,
             rope_parameters=dict(rope_type="default", rope_theta=t.rope_theta,
                                  mrope_section=list(t.mrope_section),
@@ -190,8 +194,17 @@ def _plain(d) -> dict:
             for k, v in dict(d).items()}
 
 
+def _required(parse, section: dict, name: str):
+    try:
+        return parse(section)
+    except KeyError as e:
+        raise ConfigError(f"config: {name}.{e.args[0]} is missing (it has no default)") from None
+
+
 def _text_from_hf(t: dict) -> TextConfig:
-    rope = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
+    # As transformers reads it: a (legacy) rope_scaling dict wins over rope_parameters, and a
+    # text-level rope_theta only fills a dict that has none.
+    rope = dict(t.get("rope_scaling") or t.get("rope_parameters") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ConfigError(f"text_config.rope_parameters.rope_type={rope_type!r}: only 'default' "
@@ -219,7 +232,9 @@ def _text_from_hf(t: dict) -> TextConfig:
         mrope_section=tuple(int(s) for s in rope.get("mrope_section", (24, 20, 20))),
         mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
         max_position_embeddings=int(t.get("max_position_embeddings", 262144)),
-        norm_topk_prob=bool(t.get("norm_topk_prob", True)),
+        # Qwen3-VL-MoE's router renormalizes the top-k weights whatever the config says (transformers
+        # ignores the key); the key itself round-trips through ``extra``.
+        norm_topk_prob=True,
         extra={k: v for k, v in t.items() if k not in known},
     )
 

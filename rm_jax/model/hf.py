@@ -34,6 +34,8 @@ import struct
 from pathlib import Path
 from typing import Callable, Iterable
 
+from absl import logging
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -41,7 +43,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rm_jax.model.config import ModelConfig, RuntimeOptions
+from rm_jax.model.config import ConfigError, ModelConfig, RuntimeOptions
 from rm_jax.model.judge import Qwen3VLMoeJudge, abstract_model, layer_segments
 from rm_jax.model.vision import vision_segments
 from rm_jax.sharding import logical_to_spec
@@ -279,6 +281,13 @@ class SafetensorsFile:
         self.header = header
         self._base = 8 + n
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        for key, info in header.items():
+            start, end = info["data_offsets"]
+            want = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_ST_DTYPES[info["dtype"]]).itemsize
+            if end - start != want or self._base + end > self._mm.size:
+                raise CheckpointError(f"{self.path}: tensor {key} ({info['dtype']} {info['shape']}) needs bytes "
+                                      f"[{self._base + start}, {self._base + end}) but the file has "
+                                      f"{self._mm.size}: truncated or corrupt safetensors file")
 
     def keys(self):
         return list(self.header)
@@ -384,7 +393,47 @@ def read_config(hf_dir, runtime: RuntimeOptions | None = None) -> ModelConfig:
     path = Path(hf_dir) / "config.json"
     if not path.exists():
         raise CheckpointError(f"{path}: missing (a transformers checkpoint dir needs its config.json)")
-    return ModelConfig.from_hf_dict(json.loads(path.read_text()), runtime)
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    try:
+        return ModelConfig.from_hf_dict(raw, runtime)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def _expert_layout_from_headers(files, cfg: ModelConfig, given: str | None) -> str | None:
+    """The flag, else the layout the fused gate_up tensors show when their shape tells
+    (H != 2I). ``down_proj`` is ambiguous when H == I; gate_up then settles it. A gate_up shape
+    that does not tell (H == 2I) stays ambiguous: the loader refuses it without the flag."""
+    if given is not None or cfg.text.hidden_size == 2 * cfg.text.moe_intermediate_size:
+        return given
+    dims = (cfg.text.hidden_size, 2 * cfg.text.moe_intermediate_size)
+    for file in files:
+        st = SafetensorsFile(file)
+        for key in st.keys():
+            if key.endswith("mlp.experts.gate_up_proj") and len(st.shape(key)) == 3:
+                shape = st.shape(key)[1:]
+                if shape in (dims, dims[::-1]):
+                    return "in_out" if shape == dims else "out_in"
+    return None
+
+
+def _stored_head_differs(files, cfg: ModelConfig) -> bool:
+    """A tied config, yet the checkpoint stores an ``lm_head.weight`` that differs from the
+    embedding: transformers then does not tie them (it warns), so neither do we."""
+    where = {}
+    for file in files:
+        st = SafetensorsFile(file)
+        for key in ("lm_head.weight", _T + "embed_tokens.weight"):
+            if key in st.header:
+                where[key] = file
+    if not cfg.tie_word_embeddings or "lm_head.weight" not in where or len(where) < 2:
+        return False
+    head, embed = (SafetensorsFile(where[k]).get(k) for k in ("lm_head.weight", _T + "embed_tokens.weight"))
+    return head.shape != embed.shape or head.dtype != embed.dtype or not np.array_equal(head.view(np.uint8),
+                                                                                         embed.view(np.uint8))
 
 
 def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = None,
@@ -396,18 +445,31 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
     """
     if expert_layout is not None and expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout={expert_layout!r}; expected one of {sorted(EXPERT_LAYOUTS)}")
+    try:
+        pdtype = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"dtype={dtype!r}: not a dtype ({e})") from None
+    if not jnp.issubdtype(pdtype, jnp.floating):
+        raise ValueError(f"dtype={dtype!r}: parameters need a floating dtype (float32, bfloat16, ...)")
     runtime = runtime or RuntimeOptions()
-    runtime = dataclasses.replace(runtime, dtype=str(jnp.dtype(dtype)), param_dtype=str(jnp.dtype(dtype)))
+    runtime = dataclasses.replace(runtime, dtype=str(pdtype), param_dtype=str(pdtype))
+    if not Path(hf_dir).is_dir():
+        raise CheckpointError(f"{hf_dir}: not a directory")
     cfg = read_config(hf_dir, runtime)
     files = checkpoint_files(hf_dir)
+    if _stored_head_differs(files, cfg):
+        logging.warning("%s: config.json ties the LM head to the embedding, but the checkpoint stores a "
+                        "different lm_head.weight: loading it untied, as transformers does", hf_dir)
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     model = abstract_model(cfg)
     graphdef, state = nnx.split(model)
     flat = dict(nnx.to_flat_state(state))
     shardings = ({p: v.get_value() for p, v in nnx.to_flat_state(param_shardings(state, mesh))}
                  if mesh is not None else {})
     table = expand_rules(cfg)
-    ctx = {"expert_layout": EXPERT_LAYOUTS.get(expert_layout) if expert_layout else None}
-    pdtype = jnp.dtype(dtype)
+    ctx = {"expert_layout": _expert_layout_from_headers(
+        files, cfg, EXPERT_LAYOUTS.get(expert_layout) if expert_layout else None)}
+    stored_dtypes: dict[str, str] = {}
 
     values: dict[tuple, jax.Array] = {}
     filled: dict[tuple, set] = {p: set() for p in flat}
@@ -424,6 +486,7 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
                 continue
             rule, targets = table[key]
             ctx["key"] = key
+            stored_dtypes[key] = st.header[key]["dtype"]
             arrays = rule.transform.to_ours(st.get(key), cfg, ctx)
             for target, arr in zip(targets, arrays):
                 var = flat[target.path]
@@ -459,7 +522,8 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
                                   f"(no checkpoint key maps to it)")
     model = nnx.merge(graphdef, nnx.from_flat_state([(p, flat[p].replace(values[p])) for p in flat]))
     model.mesh = mesh
-    cfg = dataclasses.replace(cfg, hf_expert_layout=ctx.get("detected_layout") or ctx["expert_layout"])
+    cfg = dataclasses.replace(cfg, hf_expert_layout=ctx.get("detected_layout") or ctx["expert_layout"],
+                              hf_tensor_dtypes=stored_dtypes)
     model.cfg = cfg
     return model, cfg
 
@@ -468,15 +532,23 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
 # Export
 # ---------------------------------------------------------------------------------------------
 
+def _np_dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
 def save_hf(model: Qwen3VLMoeJudge, out_dir, *, dtype=None, expert_layout: str | None = None,
             max_shard_bytes: int = 4 << 30) -> Path:
     """Write safetensors + config.json that ``Qwen3VLMoeForConditionalGeneration.from_pretrained``
     loads. ``expert_layout`` defaults to the layout the model was loaded from (else transformers')."""
     cfg: ModelConfig = model.cfg
     layout = EXPERT_LAYOUTS[expert_layout or cfg.hf_expert_layout or "out_in"]
-    # Default to the source checkpoint's dtype (config.json "dtype"): bf16 -> fp32 -> bf16 is exact.
-    name = str(dtype or cfg.extra.get("dtype") or cfg.runtime.param_dtype)
-    dtype = np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    # Each tensor goes back in the dtype it was loaded from (bf16 -> fp32 -> bf16 is exact, and a
+    # checkpoint with fp32 norms among bf16 weights keeps them); ``dtype`` forces one for all.
+    # Without a record (a model built here), config.json's "dtype", else the runtime's.
+    recorded = dict(cfg.hf_tensor_dtypes or {})
+    fallback = _np_dtype(str(dtype or cfg.extra.get("dtype") or cfg.extra.get("torch_dtype")
+                             or cfg.runtime.param_dtype))
+    forced = _np_dtype(str(dtype)) if dtype is not None else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     flat = {p: v for p, v in nnx.to_flat_state(nnx.state(model))}
@@ -489,7 +561,8 @@ def save_hf(model: Qwen3VLMoeJudge, out_dir, *, dtype=None, expert_layout: str |
         for target in targets:
             arr = flat[target.path][...]
             ours.append(np.asarray(jax.device_get(arr if target.index is None else arr[target.index])))
-        tensor = np.ascontiguousarray(rule.transform.to_hf(tuple(ours), cfg, ctx)).astype(dtype)
+        want = forced or (np.dtype(_ST_DTYPES[recorded[key]]) if key in recorded else fallback)
+        tensor = np.ascontiguousarray(rule.transform.to_hf(tuple(ours), cfg, ctx)).astype(want)
         if size and size + tensor.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
@@ -509,6 +582,11 @@ def save_hf(model: Qwen3VLMoeJudge, out_dir, *, dtype=None, expert_layout: str |
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     hf_cfg = cfg.to_hf_dict()
-    hf_cfg["dtype"] = "bfloat16" if dtype == np.dtype(ml_dtypes.bfloat16) else str(dtype)
+    if forced is not None or not any(k in hf_cfg for k in ("dtype", "torch_dtype")):
+        # The dtype most tensors have (the source config's own entry is kept otherwise).
+        names = [a.dtype for shard in shards for a in shard.values()]
+        common = forced or max(set(names), key=names.count)
+        hf_cfg.pop("torch_dtype", None)
+        hf_cfg["dtype"] = "bfloat16" if common == np.dtype(ml_dtypes.bfloat16) else str(common)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     return out
