@@ -84,6 +84,7 @@ def train_config() -> ml_collections.ConfigDict:
     """The report's v3 recipe shape (lr, x3 oversampling, keep every checkpoint), sized for CPU."""
     return ml_collections.ConfigDict(dict(
         init_from="",                # HF checkpoint dir of the policy; "" = random init (embedded default)
+        init_expert_layout="",       # its fused-expert layout when the shapes cannot tell (H == 2I): published | transformers
         steps=0,                     # 0: derive from epochs
         epochs=0.7,                  # the demo's 10k samples: ~570 steps, 8-10 min on 2 CPU cores (this host varies ~20%)
         global_batch=16,

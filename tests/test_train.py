@@ -267,3 +267,61 @@ def test_metrics_log_survives_a_torn_last_line(tmp_path):
     path.write_text(json.dumps(rows[0]) + "\n{bad\n" + json.dumps(rows[1]) + "\n")
     with pytest.raises(ValueError, match="line 2 is not JSON"):
         read_metrics(str(tmp_path))
+
+
+def test_init_from_hf_of_other_sizes_with_frozen_vision_then_scored(tiny_cfg, built_shards, tmp_path):
+    """A run started from an HF checkpoint takes that checkpoint's architecture: the manifest
+    records it, so the scorer rebuilds the model that was trained. freeze_vision keeps the
+    tower's weights exactly while the rest trains."""
+    from flax import nnx
+    from test_model_parity import build_hf, parity_hf_config
+
+    from rm_jax.model import load_hf
+    from rm_jax.score.checkpoints import load_judge
+    hf_cfg = parity_hf_config(vocab_size=4096, num_hidden_layers=2, mlp_only_layers=[])
+    hf_cfg["vision_config"].update(depth=1, deepstack_visual_indexes=[0], patch_size=8, num_position_embeddings=64)
+    build_hf(hf_cfg, tmp_path / "hf")
+    cfg = _cfg(tiny_cfg, built_shards[0], steps=2, checkpoint_every=2, eval_every=0,
+               init_from=str(tmp_path / "hf"), freeze_vision=True)
+    loop.run(cfg, str(tmp_path / "run"), progress=False)
+    manifest = json.load(open(tmp_path / "run" / "manifest.json"))
+    assert manifest["config"]["model"]["text_config"]["hidden_size"] == 48        # tiny's is 64
+    trained, _, step = load_judge(str(tmp_path / "run"))
+    assert step == 2
+    source, _ = load_hf(tmp_path / "hf")
+    ours, theirs = (dict(nnx.to_flat_state(nnx.state(m, nnx.Param))) for m in (trained, source))
+    assert ours.keys() == theirs.keys()
+    same = {p: np.array_equal(np.asarray(ours[p][...]), np.asarray(theirs[p][...])) for p in ours}
+    assert all(same[p] for p in same if p[0] == "vision")
+    assert not all(same[p] for p in same if p[0] != "vision")
+
+
+def test_token_ids_beyond_the_model_vocab_are_refused(tiny_cfg, built_shards):
+    import dataclasses
+    cfg = _cfg(tiny_cfg, built_shards[0])
+    mcfg = loop.model_config(cfg)
+    small = dataclasses.replace(mcfg, text=dataclasses.replace(mcfg.text, vocab_size=16))
+    stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, loop.RunPlan(2, 8, 1, 1.0), split="train"), 1)
+    with pytest.raises(ValueError, match="vocab_size 16"):
+        loop.assemble(small, stream.next(), loop.frame_capacity(cfg, mcfg))
+
+
+def test_every_checkpoint_damaged_starts_over_with_them_set_aside(tmp_path):
+    import jax.numpy as jnp
+    from rm_jax.train.checkpoint import CheckpointOptions, Checkpointer, abstract_like
+    state = {"w": jnp.arange(4.0)}
+    opts = CheckpointOptions(every=1, async_save=False)
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), opts)
+    for step in (1, 2):
+        ckpt.save(step, state, {"step": step})
+    ckpt.close()
+    for step in (1, 2):
+        for root, _, files in os.walk(tmp_path / "checkpoints" / str(step) / "state"):
+            for f in files:
+                with open(os.path.join(root, f), "wb") as fh:
+                    fh.write(b"garbage")
+    again = Checkpointer(str(tmp_path / "checkpoints"), opts)
+    assert again.restore(abstract_like(state)) is None
+    assert again.steps() == [] and len(os.listdir(tmp_path / "checkpoints_damaged")) == 2
+    again.save(1, state, {"step": 1})           # the fresh run can write those steps again
+    again.close()

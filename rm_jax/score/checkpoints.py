@@ -22,6 +22,7 @@ import os
 
 import jax
 import ml_collections
+from absl import logging
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -71,17 +72,29 @@ def list_steps(workdir: str) -> list[int]:
         return sorted(manager.all_steps())
 
 
+def scoring_mesh(cfg):
+    """The run's mesh over the devices present; when it does not fit them (trained on 8 GPUs,
+    scored on 1), data parallelism over whatever is here: the params are resharded on restore."""
+    from rm_jax.sharding import MeshConfigError, make_mesh
+    experts = int(cfg.model.text_config.num_experts)
+    try:
+        return make_mesh(cfg.mesh, num_experts=experts)
+    except MeshConfigError as e:
+        logging.warning("the run's mesh %s does not fit these %d device(s) (%s): scoring data-parallel "
+                        "over them instead", dict(cfg.mesh), jax.device_count(), e)
+        return make_mesh(None, num_experts=experts)
+
+
 def load_judge(workdir: str, step: int | None = None, *, mesh=None
                ) -> tuple[Qwen3VLMoeJudge, ModelConfig, int]:
     """Restore a training checkpoint's params into a (sharded) judge. ``mesh`` defaults to the
-    run's mesh config over the devices present."""
-    from rm_jax.sharding import make_mesh
+    run's mesh config over the devices present (``scoring_mesh``)."""
     from rm_jax.train.loop import model_config
 
     cfg = read_run_config(workdir)
     mcfg = model_config(cfg)
     if mesh is None:
-        mesh = make_mesh(cfg.mesh, num_experts=int(cfg.model.text_config.num_experts))
+        mesh = scoring_mesh(cfg)
     ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"{ckpt_dir}: no checkpoints")

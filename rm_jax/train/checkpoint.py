@@ -83,6 +83,11 @@ class Checkpointer:
                 logging.warning("resumed from step %d after skipping damaged checkpoints %s (moved to %s)",
                                 s, skipped, self._damaged_dir)
             return Restored(step=s, state=got["state"], data_state=got["data"] or None, skipped=skipped)
+        if skipped:
+            # Nothing restorable: set them all aside, so the fresh run can write those steps again.
+            self._quarantine(skipped)
+            logging.error("every checkpoint in %s is damaged (%s, moved to %s): starting from step 0",
+                          self.directory, skipped, self._damaged_dir)
         return None
 
     @property

@@ -23,6 +23,7 @@ import sys
 import time
 
 import jax
+import ml_collections
 import numpy as np
 from absl import logging
 
@@ -63,6 +64,16 @@ def model_config(cfg) -> ModelConfig:
     return ModelConfig.from_hf_dict(cfg.model.to_dict(), runtime)
 
 
+def adopt_init_config(cfg) -> None:
+    """With ``train.init_from``, the checkpoint's architecture is the run's: its config.json
+    replaces ``cfg.model``, so the mesh check, the manifest and everything that rebuilds the
+    model from the manifest (score, sweep, export) see the sizes that were trained."""
+    from rm_jax.model import hf
+    loaded = hf.read_config(cfg.train.init_from)
+    with cfg.unlocked():
+        cfg.model = ml_collections.ConfigDict(loaded.to_hf_dict())
+
+
 def build_model(cfg, mesh):
     """Random init (embedded default) or an HF checkpoint, placed on the mesh.
 
@@ -72,7 +83,7 @@ def build_model(cfg, mesh):
     mcfg = model_config(cfg)
     if cfg.train.init_from:
         model, mcfg = hf.load_hf(cfg.train.init_from, dtype=cfg.train.param_dtype, mesh=mesh,
-                                 runtime=mcfg.runtime)
+                                 runtime=mcfg.runtime, expert_layout=cfg.train.get("init_expert_layout") or None)
         return model, mcfg
     model = judge_lib.init_model(mcfg, seed=int(cfg.seed))
     from flax import nnx
@@ -128,6 +139,11 @@ def assemble(mcfg: ModelConfig, micro: list[dict], frame_capacity: int, verdict_
                                          b["image_grid_thw"], attention="lengths", frame_capacity=frame_capacity)
                 for b in micro]
     prepared = [p.replace(kv_lengths_b=np.maximum(p.kv_lengths_b, 1)) for p in prepared]
+    top = max(int(b["input_ids"].max(initial=0)) for b in micro)
+    if top >= mcfg.text.vocab_size:
+        raise ValueError(f"token id {top} >= the model's vocab_size {mcfg.text.vocab_size}: the data was "
+                         "tokenized with a larger vocabulary than the model has (train.init_from a checkpoint "
+                         "whose vocabulary does not cover the data's tokenizer?)")
     inputs = jax.tree.map(lambda *xs: np.stack(xs), *prepared)
     valid = [b["example_valid"].astype(bool) for b in micro]
     return HostBatch(StepBatch(inputs=inputs, target_mask=np.stack([weighted_target_mask(b, verdict_weight)
@@ -172,8 +188,9 @@ def loader_config(cfg, plan: RunPlan, *, split: str) -> loader_lib.LoaderConfig:
 def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bool | None = None) -> dict:
     os.makedirs(workdir, exist_ok=True)
     t, data_dir = cfg.train, cfg.data.dir
-    if not data_dir or not os.path.isdir(data_dir):
-        raise FileNotFoundError(f"data.dir={data_dir!r} is not a built shard directory (launch.build_data --out)")
+    if not data_dir or not os.path.isfile(os.path.join(data_dir, "manifest.json")):
+        raise FileNotFoundError(f"data.dir={data_dir!r} is not a built shard directory (no manifest.json; "
+                                "launch.build_data --out writes one)")
     index = loader_lib.records.load_index(data_dir, "train")
     manifest = loader_lib.read_manifest(data_dir)
     stream_len = len(loader_lib.stream_indices(index["label"], int(cfg.data.oversample_fail)))
@@ -183,13 +200,20 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
         logging.warning("%s has no held-out examples: validation loss is skipped (and the sweep will "
                         "have nothing to score); build with more prompts or a larger data.heldout_fraction",
                         data_dir)
+    for key in ("log_every", "checkpoint_every"):
+        if int(t[key]) < 0:
+            raise ValueError(f"train.{key}={t[key]}: must be >= 0 (0 = only at the last step)")
+    if t.init_from:
+        adopt_init_config(cfg)
     mesh = make_mesh(cfg.mesh, num_experts=int(cfg.model.text_config.num_experts), global_batch=plan.micro_batch)
     logging.info("%s; mesh %s; plan %s", cluster_line, dict(mesh.shape), plan)
 
     model, mcfg = build_model(cfg, mesh)
     ocfg = dataclasses.replace(optim.OptimConfig.from_config(t), total_steps=plan.total_steps)
     step_cfg = step_config(cfg)
-    builder = StepBuilder(model, optim.make_optimizer(ocfg, model), step_cfg, mesh, optim.schedule(ocfg))
+    from flax import nnx
+    builder = StepBuilder(model, optim.make_optimizer(ocfg, nnx.state(model, nnx.Param)), step_cfg, mesh,
+                          optim.schedule(ocfg))
     state = builder.init_state()
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
@@ -203,6 +227,11 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
         state, start, data_state = restored.state, restored.step, restored.data_state
         logging.info("resumed from %s at step %d", ckpt.directory, start)
     stream = BatchStream(data_dir, "train", loader_config(cfg, plan, split="train"), plan.accumulation, data_state)
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    if start == 0 and os.path.exists(metrics_path) and os.path.getsize(metrics_path) > 0:
+        # A start from scratch over an earlier run's log (its checkpoints all damaged, or none
+        # written yet): keep that history beside the new one instead of truncating it.
+        os.replace(metrics_path, f"{metrics_path}.before_restart.{int(time.time())}")
     writer = MetricsWriter(workdir, resume_step=start, tensorboard=bool(t.tensorboard))
     _write_manifest(workdir, cfg, manifest, data_dir, mesh, plan)
 
@@ -237,8 +266,12 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
             tokens_since += int(host.batch.inputs.attention_mask_bt.sum())
             samples_since += host.n_examples
             fails_since += host.n_fail
-            if step % int(t.log_every) == 0 or step == plan.total_steps:
+            if _due(step, t.log_every, plan.total_steps):
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                if not np.isfinite(m["loss"]):
+                    raise FloatingPointError(f"step {step}: training loss is {m['loss']} (grad_norm "
+                                             f"{m.get('grad_norm')}); stopping instead of training on it. "
+                                             f"The last good checkpoint is kept in {ckpt.directory}")
                 dt = max(time.time() - t_log, 1e-9)
                 m.update(tokens_per_s=tokens_since / dt, samples_per_s=samples_since / dt,
                          fail_share=fails_since / max(samples_since, 1), epoch=step / plan.steps_per_epoch)
@@ -249,7 +282,7 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
                 bar.set_postfix(loss=f"{m['loss']:.4f}")
                 last_metrics = m
                 t_log, tokens_since, samples_since, fails_since = time.time(), 0, 0, 0
-            if step % int(t.checkpoint_every) == 0 or step == plan.total_steps:
+            if _due(step, t.checkpoint_every, plan.total_steps):
                 ckpt.save(step, state, stream.state())
             bar.update(1)
         ckpt.wait()
@@ -260,6 +293,11 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     return {"steps": step, "resumed_from": start, "skipped_damaged": skipped,
             "last_metrics": last_metrics, "trace_count": builder.trace_count,
             "checkpoints": ckpt.steps(), "plan": dataclasses.asdict(plan)}
+
+
+def _due(step: int, every, last: int) -> bool:
+    """Every ``every`` steps and at the last one; 0 = only at the last one (as eval_every=0 is off)."""
+    return step == last or (int(every) > 0 and step % int(every) == 0)
 
 
 def evaluate(builder: StepBuilder, cfg, mcfg, state, plan: RunPlan, mesh) -> float:

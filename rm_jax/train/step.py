@@ -86,11 +86,20 @@ class StepBuilder:
     def opt_state_shardings(self, params):
         """Adam's mu/nu take their parameter's sharding; scalars (count) are replicated.
         (`optimizer.init` under jit alone would replicate mu/nu: zeros_like carries no sharding.)"""
+        # Matched by path suffix, not with optax.tree_map_params: a frozen vision tower leaves
+        # MaskedNodes where parameters are (multi_transform), which that structural match rejects.
         replicated = NamedSharding(self.mesh, PartitionSpec())
         abstract = jax.eval_shape(self.optimizer.init, params)
-        param_sh = jax.tree.map(lambda x: x.sharding, params)
-        return optax.tree_map_params(self.optimizer, lambda _, s: s, abstract, param_sh,
-                                     transform_non_params=lambda _: replicated)
+        by_path = {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
+
+        def sharding(path, leaf):
+            for i in range(len(path)):
+                param = by_path.get(jax.tree_util.keystr(tuple(path[i:])))
+                if param is not None and param.shape == leaf.shape:
+                    return param.sharding
+            return replicated
+
+        return jax.tree_util.tree_map_with_path(sharding, abstract)
 
     def init_state(self) -> TrainState:
         replicated = NamedSharding(self.mesh, PartitionSpec())
