@@ -112,8 +112,8 @@ def validate_mesh_shape(shape: MeshShape, n_devices: int, *, num_experts: int | 
         batch_shards = shape.data * shape.fsdp * shape.expert
         if global_batch % batch_shards != 0:
             raise MeshConfigError(
-                f"global batch {global_batch} is not divisible by data*fsdp*expert = "
-                f"{shape.data}*{shape.fsdp}*{shape.expert} = {batch_shards}")
+                f"batch {global_batch} per step (the microbatch: train.global_batch / train.grad_accum) "
+                f"is not divisible by data*fsdp*expert = {shape.data}*{shape.fsdp}*{shape.expert} = {batch_shards}")
 
 
 def fill_wildcard(shape: MeshShape, n_devices: int) -> MeshShape:

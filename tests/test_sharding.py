@@ -23,7 +23,7 @@ def test_mesh_errors_name_the_numbers(devices8):
         sharding.make_mesh(dict(data=2, expert=2))
     with pytest.raises(sharding.MeshConfigError, match="num_experts=6 is not divisible by the mesh 'expert' axis size 4"):
         sharding.make_mesh(dict(data=2, expert=4), num_experts=6)
-    with pytest.raises(sharding.MeshConfigError, match="global batch 12 is not divisible by data\\*fsdp\\*expert"):
+    with pytest.raises(sharding.MeshConfigError, match="batch 12 per step .* is not divisible by data\\*fsdp\\*expert"):
         sharding.make_mesh(dict(data=8), global_batch=12)
 
 
@@ -55,3 +55,13 @@ def test_constrain_shards_and_tolerates_indivisible(devices8):
         z = jax.jit(lambda x: sharding.constrain(x, ("batch", "act_embed")))(jnp.ones((3, 4)))  # 3 % 8 != 0
         np.testing.assert_array_equal(np.asarray(z), np.ones((3, 4)))
     assert sharding.constrain(jnp.ones(2), ("batch",)).shape == (2,)   # no mesh: a no-op
+
+
+def test_scoring_mesh_falls_back_when_the_run_mesh_does_not_fit(tiny_cfg):
+    """A run trained on more devices than the scoring host has is scored data-parallel."""
+    import jax
+    from rm_jax.score.checkpoints import scoring_mesh
+    cfg = tiny_cfg.copy_and_resolve_references()
+    cfg.mesh.data = 2 * jax.device_count()
+    mesh = scoring_mesh(cfg)
+    assert mesh.devices.size == jax.device_count() and mesh.shape["data"] == jax.device_count()
