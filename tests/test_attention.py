@@ -14,7 +14,8 @@ def _qkv(b, t, n, k, h, seed=0):
     return tuple(jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((b, t, n, h), (b, t, k, h), (b, t, k, h)))
 
 
-@pytest.mark.parametrize("t", [100, 300, 384])   # one block, a ragged last block, whole blocks
+# one block, a ragged last block (slow: ~17 s; `make test-slow`), whole blocks
+@pytest.mark.parametrize("t", [100, pytest.param(300, marks=pytest.mark.slow), 384])
 def test_blocked_equals_dense_with_key_lengths(t):
     q, k, v = _qkv(3, t, 4, 2, 8)
     lengths = jnp.asarray([t, 1, t - 77], jnp.int32)

@@ -131,6 +131,7 @@ def test_jit_with_param_shardings_under_mesh(devices8):
     np.testing.assert_allclose(y, y_ref, **TOL)
 
 
+@pytest.mark.slow   # ~30 s of eager dispatch; the jitted sharded paths are tested by default
 def test_eager_call_under_mesh(devices8):
     cfg = MoeConfig(d_model=H, d_ff=I, num_experts=8, top_k=3, backend="ep_ring")
     x_btd, router_de = _routed_inputs(cfg.num_experts, seed=4)

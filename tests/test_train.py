@@ -161,6 +161,7 @@ def test_oversampling_visible_in_training_stream(tiny_cfg, built_shards):
     assert abs(fails / seen - expected) <= 8 / seen
 
 
+@pytest.mark.slow   # ~50 s: a memory option (expert_grad_dtype), not a contract; `make test-slow`
 def test_expert_grads_in_compute_dtype(tiny_cfg, built_shards):
     """expert_grad_dtype=bf16 is exact: the gradient through the model's own cast to bf16 is
     already bf16-valued, so only its storage shrinks. Same loss and gradients bit for bit, an fp32
