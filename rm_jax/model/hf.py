@@ -34,12 +34,11 @@ import struct
 from pathlib import Path
 from typing import Callable, Iterable
 
-from absl import logging
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -403,35 +402,35 @@ def read_config(hf_dir, runtime: RuntimeOptions | None = None) -> ModelConfig:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def _expert_layout_from_headers(files, cfg: ModelConfig, given: str | None) -> str | None:
+def _header_index(files) -> dict[str, tuple[Path, tuple, str]]:
+    """{key: (file, shape, safetensors dtype)} from the shard headers alone (no tensor data)."""
+    index = {}
+    for file in files:
+        st = SafetensorsFile(file)
+        index.update({k: (Path(file), st.shape(k), st.header[k]["dtype"]) for k in st.keys()})
+    return index
+
+
+def _expert_layout_from_headers(index, cfg: ModelConfig, given: str | None) -> str | None:
     """The flag, else the layout the fused gate_up tensors show when their shape tells
     (H != 2I). ``down_proj`` is ambiguous when H == I; gate_up then settles it. A gate_up shape
     that does not tell (H == 2I) stays ambiguous: the loader refuses it without the flag."""
     if given is not None or cfg.text.hidden_size == 2 * cfg.text.moe_intermediate_size:
         return given
     dims = (cfg.text.hidden_size, 2 * cfg.text.moe_intermediate_size)
-    for file in files:
-        st = SafetensorsFile(file)
-        for key in st.keys():
-            if key.endswith("mlp.experts.gate_up_proj") and len(st.shape(key)) == 3:
-                shape = st.shape(key)[1:]
-                if shape in (dims, dims[::-1]):
-                    return "in_out" if shape == dims else "out_in"
+    for key, (_, shape, _) in index.items():
+        if key.endswith("mlp.experts.gate_up_proj") and len(shape) == 3 and shape[1:] in (dims, dims[::-1]):
+            return "in_out" if shape[1:] == dims else "out_in"
     return None
 
 
-def _stored_head_differs(files, cfg: ModelConfig) -> bool:
+def _stored_head_differs(index, cfg: ModelConfig) -> bool:
     """A tied config, yet the checkpoint stores an ``lm_head.weight`` that differs from the
     embedding: transformers then does not tie them (it warns), so neither do we."""
-    where = {}
-    for file in files:
-        st = SafetensorsFile(file)
-        for key in ("lm_head.weight", _T + "embed_tokens.weight"):
-            if key in st.header:
-                where[key] = file
-    if not cfg.tie_word_embeddings or "lm_head.weight" not in where or len(where) < 2:
+    keys = ("lm_head.weight", _T + "embed_tokens.weight")
+    if not cfg.tie_word_embeddings or not all(k in index for k in keys):
         return False
-    head, embed = (SafetensorsFile(where[k]).get(k) for k in ("lm_head.weight", _T + "embed_tokens.weight"))
+    head, embed = (SafetensorsFile(index[k][0]).get(k) for k in keys)
     return head.shape != embed.shape or head.dtype != embed.dtype or not np.array_equal(head.view(np.uint8),
                                                                                          embed.view(np.uint8))
 
@@ -457,7 +456,8 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
         raise CheckpointError(f"{hf_dir}: not a directory")
     cfg = read_config(hf_dir, runtime)
     files = checkpoint_files(hf_dir)
-    if _stored_head_differs(files, cfg):
+    index = _header_index(files)
+    if _stored_head_differs(index, cfg):
         logging.warning("%s: config.json ties the LM head to the embedding, but the checkpoint stores a "
                         "different lm_head.weight: loading it untied, as transformers does", hf_dir)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
@@ -468,8 +468,7 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
                  if mesh is not None else {})
     table = expand_rules(cfg)
     ctx = {"expert_layout": _expert_layout_from_headers(
-        files, cfg, EXPERT_LAYOUTS.get(expert_layout) if expert_layout else None)}
-    stored_dtypes: dict[str, str] = {}
+        index, cfg, EXPERT_LAYOUTS.get(expert_layout) if expert_layout else None)}
 
     values: dict[tuple, jax.Array] = {}
     filled: dict[tuple, set] = {p: set() for p in flat}
@@ -486,7 +485,6 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
                 continue
             rule, targets = table[key]
             ctx["key"] = key
-            stored_dtypes[key] = st.header[key]["dtype"]
             arrays = rule.transform.to_ours(st.get(key), cfg, ctx)
             for target, arr in zip(targets, arrays):
                 var = flat[target.path]
@@ -523,7 +521,7 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
     model = nnx.merge(graphdef, nnx.from_flat_state([(p, flat[p].replace(values[p])) for p in flat]))
     model.mesh = mesh
     cfg = dataclasses.replace(cfg, hf_expert_layout=ctx.get("detected_layout") or ctx["expert_layout"],
-                              hf_tensor_dtypes=stored_dtypes)
+                              hf_tensor_dtypes={k: index[k][2] for k in seen})
     model.cfg = cfg
     return model, cfg
 

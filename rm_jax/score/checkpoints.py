@@ -22,8 +22,8 @@ import os
 
 import jax
 import ml_collections
-from absl import logging
 import orbax.checkpoint as ocp
+from absl import logging
 from flax import nnx
 
 from rm_jax.model.config import ModelConfig

@@ -26,6 +26,7 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
+from flax import nnx
 
 from rm_jax.data import loader as loader_lib
 from rm_jax.model import judge as judge_lib
@@ -86,7 +87,6 @@ def build_model(cfg, mesh):
                                  runtime=mcfg.runtime, expert_layout=cfg.train.get("init_expert_layout") or None)
         return model, mcfg
     model = judge_lib.init_model(mcfg, seed=int(cfg.seed))
-    from flax import nnx
     state = nnx.state(model)
     shardings = hf.param_shardings(state, mesh)
     nnx.update(model, jax.tree.map(lambda v, s: jax.device_put(v, s.get_value() if hasattr(s, "get_value") else s),
@@ -211,7 +211,6 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     model, mcfg = build_model(cfg, mesh)
     ocfg = dataclasses.replace(optim.OptimConfig.from_config(t), total_steps=plan.total_steps)
     step_cfg = step_config(cfg)
-    from flax import nnx
     builder = StepBuilder(model, optim.make_optimizer(ocfg, nnx.state(model, nnx.Param)), step_cfg, mesh,
                           optim.schedule(ocfg))
     state = builder.init_state()
