@@ -11,6 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from rm_jax.train import loop, optim
 from rm_jax.train.metrics_log import read_metrics
@@ -58,7 +59,7 @@ def test_run_traces_once_and_logs(tiny_cfg, built_shards, tmp_path):
 
 
 def test_sharded_step_equals_single_device(tiny_cfg, built_shards):
-    """The same step on (data=2, expert=4) with ring EP and on one device."""
+    """The same step (with the context LM term on) on (data=2, expert=4) with ring EP and on one device."""
     results = []
     for mesh_shape, backend, devices in [(dict(data=1), "ragged", jax.devices()[:1]),
                                          (dict(data=2, expert=4), "ep_ring", jax.devices())]:
@@ -69,10 +70,12 @@ def test_sharded_step_equals_single_device(tiny_cfg, built_shards):
         model, mcfg = loop.build_model(cfg, mesh)
         ocfg = optim.OptimConfig(lr=1e-3, warmup_steps=1, total_steps=2)
         builder = StepBuilder(model, optim.make_optimizer(ocfg, model),
-                              StepConfig(LossConfig(96, 512), lb_coef=0.01), mesh, optim.schedule(ocfg))
+                              StepConfig(LossConfig(96, 512), lb_coef=0.01, context_weight=0.5, context_tokens=32),
+                              mesh, optim.schedule(ocfg))
         state = builder.init_state()
         stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, plan, split="train"), 1)
-        host = loop.assemble(mcfg, stream.next(), loop.frame_capacity(cfg, mcfg))
+        host = loop.assemble(mcfg, stream.next(), loop.frame_capacity(cfg, mcfg),
+                             loop.TokenWeights(context_tokens=32, image_token_id=mcfg.image_token_id))
         batch = host_batch_to_device(host.batch, builder.batch_shardings(host.batch))
         with jax.set_mesh(mesh):
             fn = builder.jit_train(state, batch)
@@ -80,7 +83,7 @@ def test_sharded_step_equals_single_device(tiny_cfg, built_shards):
             state, m2 = fn(state, builder.rest, batch)
         results.append((jax.device_get(m1), jax.device_get(m2), jax.device_get(state.params)))
     (a1, a2, pa), (b1, b2, pb) = results
-    for k in ("loss", "lb_loss", "grad_norm"):
+    for k in ("loss", "context_loss", "lb_loss", "grad_norm"):
         np.testing.assert_allclose(b1[k], a1[k], rtol=2e-5)
         np.testing.assert_allclose(b2[k], a2[k], rtol=2e-5)
     for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
@@ -326,3 +329,63 @@ def test_every_checkpoint_damaged_starts_over_with_them_set_aside(tmp_path):
     assert again.steps() == [] and len(os.listdir(tmp_path / "checkpoints_damaged")) == 2
     again.save(1, state, {"step": 1})           # the fresh run can write those steps again
     again.close()
+
+
+def test_context_mask_marks_the_prompt_tail_before_the_target():
+    """The last K prompt tokens before each target, without image placeholders; padding rows,
+    label-less rows and (passing_only) failing rows get none."""
+    img = 5
+    ids = np.array([[9, 8, img, img, 7, 6, 4, 3, 0, 0],
+                    [9, 8, 7, 6, 5 + 1, 4, 3, 2, 1, 0],
+                    [9, 8, 7, 6, 4, 3, 2, 1, 0, 0],
+                    [0] * 10])
+    target = np.zeros_like(ids)
+    target[0, 6:8] = 1
+    target[1, 3:9] = 1
+    target[2, 5:8] = 1
+    b = {"input_ids": ids, "target_mask": target, "example_valid": np.array([1, 1, 1, 0]),
+         "label": np.array([0, 0, 1, 0])}
+    got = loop.context_mask(b, 4, img, passing_only=False)
+    want = np.zeros(ids.shape, np.float32)
+    want[0, [4, 5]] = 1           # tokens 2..5, less the two image pads
+    want[1, [1, 2]] = 1           # K reaches past the start: token 0 has no predecessor
+    want[2, 1:5] = 1
+    np.testing.assert_array_equal(got, want)
+    want[2] = 0                   # a failing response is not modelled with passing_only
+    np.testing.assert_array_equal(loop.context_mask(b, 4, img, passing_only=True), want)
+
+
+def test_context_lm_term_is_the_prompt_tail_nll_added_with_its_weight(tiny_cfg, built_shards):
+    """`context_loss` is the mean next-token NLL (from the model's own logits) over the marked
+    prompt tokens; the objective is `loss + weight * context_loss`; `loss` stays target-only."""
+    cfg = _cfg(tiny_cfg, built_shards[0], context_lm_weight=0.5, context_lm_tokens=24)
+    mesh = loop.make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=4)
+    plan = loop.RunPlan(total_steps=1, micro_batch=4, accumulation=1, steps_per_epoch=10.0)
+    model, mcfg = loop.build_model(cfg, mesh)
+    stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, plan, split="train"), 1)
+    micro = stream.next()
+    host = loop.assemble(mcfg, micro, loop.frame_capacity(cfg, mcfg), loop.TokenWeights.from_config(cfg, mcfg))
+    ctx = host.batch.context_mask[0]
+    first = np.argmax(micro[0]["target_mask"] > 0, axis=1)
+    for row, f in enumerate(first):
+        window = micro[0]["input_ids"][row, f - 24:f]
+        assert f > 24 and ctx[row].sum() == (window != mcfg.image_token_id).sum()
+    builder = StepBuilder(model, optim.make_optimizer(optim.OptimConfig(lr=1e-3, warmup_steps=1, total_steps=2),
+                                                      model), loop.step_config(cfg), mesh)
+    one = jax.tree.map(lambda x: x[0], host.batch)
+    totals = (np.float32(host.batch.target_mask.sum()), np.float32(ctx.sum()))
+    with jax.set_mesh(mesh):
+        objective, extras = jax.jit(builder._micro_loss)(builder._params, builder.rest, one.inputs, one.target_mask,
+                                                         one.context_mask, totals, 1)
+        logits = jax.jit(lambda p, r, x: nnx.merge(builder.graphdef, p, r).forward_arrays(x).logits_btv)(
+            builder._params, builder.rest, one.inputs)
+    ce_sum, n_tok, lb, _, _, ctx_sum, ctx_n = jax.device_get(extras)
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
+    ids = np.asarray(one.inputs.input_ids_bt)
+    b, t = np.nonzero(ctx)
+    ref_ctx = -np.asarray(logp)[b, t - 1, ids[b, t]].mean()
+    np.testing.assert_allclose(ctx_sum / ctx_n, ref_ctx, rtol=1e-5)
+    tb, tt = np.nonzero(one.target_mask)
+    ref_target = -(np.asarray(logp)[tb, tt - 1, ids[tb, tt]] * one.target_mask[tb, tt]).sum() / one.target_mask.sum()
+    np.testing.assert_allclose(ce_sum / n_tok, ref_target, rtol=1e-5)
+    np.testing.assert_allclose(objective, ref_target + 0.5 * ref_ctx + cfg.moe.lb_coef * lb, rtol=1e-5)

@@ -100,7 +100,30 @@ def step_config(cfg) -> StepConfig:
     return StepConfig(loss=LossConfig(int(t.max_target_tokens), int(t.vocab_chunk)),
                       lb_coef=float(cfg.moe.lb_coef), z_coef=float(cfg.moe.z_coef),
                       expert_grad_dtype=str(t.get("expert_grad_dtype", "")),
-                      expert_accum_dtype=str(t.get("expert_accum_dtype", "")))
+                      expert_accum_dtype=str(t.get("expert_accum_dtype", "")),
+                      context_weight=float(t.get("context_lm_weight", 0.0)),
+                      context_tokens=int(t.get("context_lm_tokens", 0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenWeights:
+    """How the host turns a loader batch's masks into the step's loss weights (train.*)."""
+    verdict_weight: float = 1.0
+    context_tokens: int = 0             # 0: no context LM term
+    context_passing_only: bool = False
+    image_token_id: int = -1
+
+    @classmethod
+    def from_config(cls, cfg, mcfg: ModelConfig) -> "TokenWeights":
+        t = cfg.train
+        n = int(t.get("context_lm_tokens", 0)) if float(t.get("context_lm_weight", 0.0)) else 0
+        if n < 0:
+            raise ValueError(f"train.context_lm_tokens={n}; expected >= 0")
+        if float(t.get("context_lm_weight", 0.0)) and n == 0:
+            raise ValueError("train.context_lm_weight > 0 needs train.context_lm_tokens > 0")
+        return cls(verdict_weight=float(t.get("verdict_weight", 1.0)), context_tokens=n,
+                   context_passing_only=bool(t.get("context_lm_passing_only", False)),
+                   image_token_id=int(mcfg.image_token_id))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +154,28 @@ def weighted_target_mask(b: dict, verdict_weight: float) -> np.ndarray:
     return mask
 
 
-def assemble(mcfg: ModelConfig, micro: list[dict], frame_capacity: int, verdict_weight: float = 1.0) -> HostBatch:
+def context_mask(b: dict, n_tokens: int, image_token_id: int, passing_only: bool) -> np.ndarray:
+    """1.0 on the last ``n_tokens`` prompt tokens before each example's target: the judged
+    response and the turn around it (image placeholders excluded, as they are not text).
+
+    Why: a random-init judge must learn to compare a value in the response with the request or
+    a tool result before any verdict can depend on it. Predicting the response's own tokens
+    (a call's arguments copy the request; a delivery note copies the tool result) trains exactly
+    that lookup, on every example, where the verdict gives one bit per example. With
+    ``passing_only`` only responses the teacher passed are modelled (no copying of errors)."""
+    is_target_bt = b["target_mask"] > 0
+    rows_ok_b = is_target_bt.any(1) & b["example_valid"].astype(bool)
+    if passing_only:
+        rows_ok_b &= b["label"] == 0
+    first_b = np.argmax(is_target_bt, axis=1)
+    t_1t = np.arange(is_target_bt.shape[1])[None, :]
+    mask = ((t_1t >= first_b[:, None] - n_tokens) & (t_1t < first_b[:, None]) & (t_1t >= 1)
+            & rows_ok_b[:, None] & (b["input_ids"] != image_token_id))
+    return mask.astype(np.float32)
+
+
+def assemble(mcfg: ModelConfig, micro: list[dict], frame_capacity: int,
+             weights: TokenWeights = TokenWeights()) -> HostBatch:
     """Loader batches (numpy) -> one StepBatch with a leading accumulation axis."""
     # The loader right-pads, so attention takes per-row key lengths (cuDNN flash on GPU) instead
     # of a [B, T, T] mask; an all-padding row gets length 1 so its softmax stays finite.
@@ -146,8 +190,12 @@ def assemble(mcfg: ModelConfig, micro: list[dict], frame_capacity: int, verdict_
                          "whose vocabulary does not cover the data's tokenizer?)")
     inputs = jax.tree.map(lambda *xs: np.stack(xs), *prepared)
     valid = [b["example_valid"].astype(bool) for b in micro]
-    return HostBatch(StepBatch(inputs=inputs, target_mask=np.stack([weighted_target_mask(b, verdict_weight)
-                                                                    for b in micro])),
+    ctx = None
+    if weights.context_tokens:
+        ctx = np.stack([context_mask(b, weights.context_tokens, weights.image_token_id, weights.context_passing_only)
+                        for b in micro])
+    target = np.stack([weighted_target_mask(b, weights.verdict_weight) for b in micro])
+    return HostBatch(StepBatch(inputs=inputs, target_mask=target, context_mask=ctx),
                      n_examples=int(sum(v.sum() for v in valid)),
                      n_fail=int(sum((b["label"][v] == 1).sum() for b, v in zip(micro, valid))))
 
@@ -234,8 +282,8 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     writer = MetricsWriter(workdir, resume_step=start, tensorboard=bool(t.tensorboard))
     _write_manifest(workdir, cfg, manifest, data_dir, mesh, plan)
 
-    capacity, verdict_weight = frame_capacity(cfg, mcfg), float(t.get("verdict_weight", 1.0))
-    first = assemble(mcfg, stream.next(), capacity, verdict_weight) if start < plan.total_steps else None
+    capacity, weights = frame_capacity(cfg, mcfg), TokenWeights.from_config(cfg, mcfg)
+    first = assemble(mcfg, stream.next(), capacity, weights) if start < plan.total_steps else None
     if first is not None:
         shardings = builder.batch_shardings(first.batch)
         with jax.set_mesh(mesh):
@@ -254,7 +302,7 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     t_log, tokens_since, samples_since, fails_since = time.time(), 0, 0, 0
     try:
         while step < plan.total_steps:
-            host = pending if pending is not None else assemble(mcfg, stream.next(), capacity, verdict_weight)
+            host = pending if pending is not None else assemble(mcfg, stream.next(), capacity, weights)
             pending = None
             check_target_budget(host.batch.target_mask.reshape(-1, host.batch.target_mask.shape[-1]),
                                 int(t.max_target_tokens))

@@ -49,6 +49,9 @@ class StepBatch:
     """A step's microbatches, each leaf with a leading [A] (accumulation) axis."""
     inputs: JudgeInputs
     target_mask: jax.Array     # [A, B, T]
+    # [A, B, T] weights of the prompt tokens in the context LM term (`StepConfig.context_weight`);
+    # None when that term is off.
+    context_mask: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,11 @@ class StepConfig:
     z_coef: float = 0.0
     expert_grad_dtype: str = ""     # "" = the parameter dtype
     expert_accum_dtype: str = ""    # dtype expert gradients are summed in over microbatches ("" = param dtype)
+    # Context LM: next-token NLL on the prompt tokens `StepBatch.context_mask` marks, added to the
+    # objective with this weight (its own token mean) and logged as `context_loss`. `loss` stays
+    # the target-only cross-entropy. Off (0) in the report's recipe: an SFT policy already reads.
+    context_weight: float = 0.0
+    context_tokens: int = 0         # static per-example budget of context positions (K for the gather)
 
 
 class StepBuilder:
@@ -114,11 +122,17 @@ class StepBuilder:
 
     # -- the pure functions ---------------------------------------------------------------------
 
-    def _micro_loss(self, params, rest, inputs: JudgeInputs, target_mask, n_total, n_micro):
+    def _micro_loss(self, params, rest, inputs: JudgeInputs, target_mask, context_mask, totals, n_micro):
+        n_total, n_context = totals
         model = nnx.merge(self.graphdef, params, rest)
         out = model.forward_arrays(inputs, logits=False)
-        tl = target_cross_entropy(out.final_hidden_btd, model.head_dv(), jnp.asarray(inputs.input_ids_bt),
-                                  target_mask, self.cfg.loss)
+        ids_bt = jnp.asarray(inputs.input_ids_bt)
+        tl = target_cross_entropy(out.final_hidden_btd, model.head_dv(), ids_bt, target_mask, self.cfg.loss)
+        ctx_sum = ctx_n = jnp.zeros((), jnp.float32)
+        if context_mask is not None:
+            cl = target_cross_entropy(out.final_hidden_btd, model.head_dv(), ids_bt, context_mask,
+                                      LossConfig(self.cfg.context_tokens, self.cfg.loss.vocab_chunk))
+            ctx_sum, ctx_n = cl.loss_sum, cl.n_tokens
         aux = out.moe_aux
         if aux is None:
             lb = z = jnp.zeros((), jnp.float32)
@@ -126,8 +140,9 @@ class StepBuilder:
         else:
             lb, z = jnp.mean(aux.lb_loss), jnp.mean(aux.z_loss)
             counts = jnp.sum(aux.expert_counts.astype(jnp.float32).reshape(-1, aux.expert_counts.shape[-1]), 0)
-        objective = tl.loss_sum / n_total + (self.cfg.lb_coef * lb + self.cfg.z_coef * z) / n_micro
-        return objective, (tl.loss_sum, tl.n_tokens, lb, z, counts)
+        objective = (tl.loss_sum / n_total + self.cfg.context_weight * ctx_sum / n_context
+                     + (self.cfg.lb_coef * lb + self.cfg.z_coef * z) / n_micro)
+        return objective, (tl.loss_sum, tl.n_tokens, lb, z, counts, ctx_sum, ctx_n)
 
     def _grad_view(self, params):
         """The params as differentiated: expert weights in `expert_grad_dtype` when set."""
@@ -149,15 +164,18 @@ class StepBuilder:
         master = params
         if with_grad:
             params = self._grad_view(params)
-        n_total = jnp.maximum(jnp.sum(batch.target_mask.astype(jnp.float32)), 1.0)
+        context = batch.context_mask if self.cfg.context_weight else None
+        # Both terms are divided by their *global* token counts (of the whole step).
+        totals = tuple(jnp.maximum(jnp.sum(m.astype(jnp.float32)), 1.0) if m is not None else jnp.ones(())
+                       for m in (batch.target_mask, context))
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
         def body(carry, mb):
-            inputs, mask = mb
+            inputs, mask, ctx = mb
             if with_grad:
-                (_, extras), g = grad_fn(params, rest, inputs, mask, n_total, n_micro)
+                (_, extras), g = grad_fn(params, rest, inputs, mask, ctx, totals, n_micro)
             else:
-                _, extras = self._micro_loss(params, rest, inputs, mask, n_total, n_micro)
+                _, extras = self._micro_loss(params, rest, inputs, mask, ctx, totals, n_micro)
                 g = None
             acc_g, acc = carry
             acc = jax.tree.map(jnp.add, acc, extras)
@@ -167,28 +185,32 @@ class StepBuilder:
         n_exp = self._n_experts()
         if n_micro == 1:
             # No scan: a second (accumulator) gradient tree would double gradient memory.
-            inputs, mask = jax.tree.map(lambda x: x[0], (batch.inputs, batch.target_mask))
+            inputs, mask, ctx = jax.tree.map(lambda x: x[0], (batch.inputs, batch.target_mask, context))
             if with_grad:
-                (_, extras), grads = grad_fn(params, rest, inputs, mask, n_total, 1)
+                (_, extras), grads = grad_fn(params, rest, inputs, mask, ctx, totals, 1)
                 grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)   # fused into the update
             else:
-                _, extras = self._micro_loss(params, rest, inputs, mask, n_total, 1)
+                _, extras = self._micro_loss(params, rest, inputs, mask, ctx, totals, 1)
                 grads = None
-            return grads, self._metrics(*extras, n_micro=1, n_exp=n_exp)
+            return grads, self._metrics(*extras, n_micro=1, n_exp=n_exp, with_context=ctx is not None)
         # The accumulator is in the master dtype (fp32), except for the routed-expert leaves when
         # `expert_accum_dtype` is set: they are ~95% of a 30B-A3B model, so a bf16 accumulator saves
         # a quarter of the gradient memory (the per-microbatch expert gradients are bf16 already).
         zeros_g = jax.tree.map(jnp.zeros_like, self._accum_view(master)) if with_grad else None
-        zeros = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros((n_exp,)))
-        (grads, extras), _ = jax.lax.scan(body, (zeros_g, zeros), (batch.inputs, batch.target_mask))
+        zeros = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros((n_exp,)), jnp.zeros(()),
+                 jnp.zeros(()))
+        (grads, extras), _ = jax.lax.scan(body, (zeros_g, zeros), (batch.inputs, batch.target_mask, context))
         if with_grad:
             grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
-        return grads, self._metrics(*extras, n_micro=n_micro, n_exp=n_exp)
+        return grads, self._metrics(*extras, n_micro=n_micro, n_exp=n_exp, with_context=context is not None)
 
     @staticmethod
-    def _metrics(ce_sum, n_tok, lb, z, counts, *, n_micro: int, n_exp: int) -> dict:
+    def _metrics(ce_sum, n_tok, lb, z, counts, ctx_sum, ctx_n, *, n_micro: int, n_exp: int,
+                 with_context: bool) -> dict:
         metrics = {"loss": ce_sum / jnp.maximum(n_tok, 1.0), "target_tokens": n_tok,
                    "lb_loss": lb / n_micro, "z_loss": z / n_micro}
+        if with_context:
+            metrics["context_loss"] = ctx_sum / jnp.maximum(ctx_n, 1.0)
         if n_exp > 1:
             load = counts / jnp.maximum(jnp.sum(counts), 1.0)
             metrics["expert_load_max"] = jnp.max(load)
@@ -254,7 +276,7 @@ def batch_shardings(batch: StepBatch, mesh) -> StepBatch:
                            positions_3bt=spec(inp.positions_3bt, 2),
                            image_index_bt=spec(inp.image_index_bt, 1), kv_lengths_b=spec(inp.kv_lengths_b, 1),
                            vision=None if inp.vision is None else jax.tree.map(lambda _: replicated, inp.vision)),
-        target_mask=spec(batch.target_mask, 1))
+        target_mask=spec(batch.target_mask, 1), context_mask=spec(batch.context_mask, 1))
 
 
 def host_batch_to_device(batch: StepBatch, shardings) -> StepBatch:
