@@ -5,6 +5,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from rm_jax.data import build, records
 
@@ -118,3 +119,23 @@ def test_shards_are_bounded(tiny_cfg, synth_dir, renderer, tmp_path):
     paths = records.shard_paths(str(tmp_path), "train")
     assert len(paths) > 1
     assert np.sum([len(_ids(str(tmp_path), "train"))]) == len(records.load_index(str(tmp_path), "train")["label"])
+
+
+def test_rebuild_into_the_same_folder_leaves_no_stale_shards(tiny_cfg, synth_dir, renderer, tmp_path):
+    """Readers take every shard file in the folder, so a rebuild (here: fewer, larger shards)
+    must remove the earlier build's; files that are not build outputs stay. A file as --out is
+    refused."""
+    src = os.path.join(synth_dir, "samples.jsonl")
+    out = tmp_path / "shards"
+    small = dataclasses.replace(build.BuildOptions.from_config(tiny_cfg.data), shard_max_examples=4)
+    build.build(src, str(out), renderer, small, progress=False)
+    assert len(records.shard_paths(str(out), "train")) > 1
+    (out / "notes.txt").write_text("mine")
+    build.build(src, str(out), renderer, build.BuildOptions.from_config(tiny_cfg.data), progress=False)
+    for split in records.SPLITS:
+        assert len(records.shard_paths(str(out), split)) == 1
+        assert len(_ids(str(out), split)) == len(records.load_index(str(out), split)["label"])
+    assert (out / "notes.txt").read_text() == "mine"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        build.build(src, str(tmp_path / "afile"), renderer, small, progress=False)

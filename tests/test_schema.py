@@ -111,3 +111,24 @@ def test_tool_content_compact_with_image_fields():
     # an inline data URI is shown as the image only (no base64 text)
     uri = "data:image/png;base64,AAAA"
     assert parse_tool_content(json.dumps({"image": uri})).segments == ("image: ", ImageField(uri))
+
+
+def test_key_fields_and_bom(tmp_path):
+    """A BOM before the first row is not part of it; prompt_id and label.issues get type checks
+    (a falsy wrong value is not taken for "absent")."""
+    lines = [json.dumps(_good(1)).encode(),
+             json.dumps(_good(2, prompt_id={"a": 1})).encode(),
+             json.dumps(_good(3, prompt_id="")).encode(),
+             json.dumps(_good(4, label={"l3": "pass", "reason": "ok", "issues": ""})).encode(),
+             json.dumps(_good(5, label={"l3": "pass", "reason": "ok", "issues": 0})).encode(),
+             json.dumps(_good(6, prompt_id=7)).encode()]
+    path = tmp_path / "samples.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"\n".join(lines) + b"\n")
+    items = list(schema.read_samples(str(path)))
+    assert isinstance(items[0], Sample) and items[0].id == "s1"
+    assert [(x.reason, x.detail.split(",")[2].strip()) for x in items[1:5]] == [
+        ("bad_type", "field prompt_id: prompt_id must be a non-empty string"),
+        ("bad_type", "field prompt_id: prompt_id must be a non-empty string"),
+        ("bad_type", "field label.issues: expected a list of strings"),
+        ("bad_type", "field label.issues: expected a list of strings")]
+    assert items[5].prompt_id == "7"

@@ -19,6 +19,7 @@ import os
 import time
 
 import numpy as np
+from absl import logging
 
 from rm_jax.data import records
 from rm_jax.data.render import ROUTE_TEXT_ONLY, ROUTE_TOOL_CALL, JudgeInput, Renderer
@@ -67,7 +68,16 @@ def build(input_path: str, out_dir: str, renderer: Renderer, opts: BuildOptions,
     from tqdm import tqdm
 
     t0 = time.time()
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"--out={out_dir} is a file, not a directory")
     os.makedirs(out_dir, exist_ok=True)
+    # A rebuild into the same folder must not leave the earlier build's shards behind: readers
+    # take every `{split}-*.array_record` there (other files in the folder are left alone).
+    stale = records.build_output_files(out_dir)
+    for path in stale:
+        os.remove(path)
+    if stale:
+        logging.warning("%s: removed %d files of an earlier build", out_dir, len(stale))
     pixel_dtype = np.dtype(opts.pixel_dtype)
     writers = {s: records.ShardWriter(out_dir, s, opts.shard_max_bytes, opts.shard_max_examples)
                for s in records.SPLITS}

@@ -48,8 +48,19 @@ def index_path(data_dir: str, split: str) -> str:
 
 
 def shard_paths(data_dir: str, split: str) -> list[str]:
+    return sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir) if is_shard_file(f, split))
+
+
+def is_shard_file(name: str, split: str) -> bool:
+    return name.startswith(split + "-") and name.endswith(".array_record")
+
+
+def build_output_files(data_dir: str) -> list[str]:
+    """The files a build writes into its folder (shards, indexes, reports), as found there now."""
+    reports = {"stats.json", "manifest.json", "rejects.jsonl"} | {os.path.basename(index_path(data_dir, s))
+                                                                  for s in SPLITS}
     return sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir)
-                  if f.startswith(split + "-") and f.endswith(".array_record"))
+                  if f in reports or any(is_shard_file(f, s) for s in SPLITS))
 
 
 def load_index(data_dir: str, split: str) -> dict[str, np.ndarray]:

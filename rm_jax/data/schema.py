@@ -261,7 +261,8 @@ def _parse_label(label: Any, has_image: bool) -> Label:
         raise SampleError("invalid_label", "label.l3", f"verdict {l3!r} is not 'pass' or 'fail'")
     reason = label.get("reason", "")
     _expect_type(reason, str, "label.reason", "a string")
-    issues = label.get("issues", []) or []
+    issues = label.get("issues")
+    issues = [] if issues is None else issues
     _expect_type(issues, list, "label.issues", "a list of strings")
     if not all(isinstance(x, str) for x in issues):
         raise SampleError("invalid_label", "label.issues", "every issue must be a string")
@@ -276,14 +277,19 @@ def _parse_label(label: Any, has_image: bool) -> Label:
     return Label(l3=l3, reason=reason, issues=tuple(issues), img=img if has_image else None)
 
 
+def _key_string(value: Any, field: str) -> str:
+    """An id-like key: a non-empty string (an integer is taken as its decimal string)."""
+    if not isinstance(value, (str, int)) or isinstance(value, bool) or str(value) == "":
+        raise SampleError("bad_type", field, f"{field} must be a non-empty string, got {value!r}")
+    return str(value)
+
+
 def parse_sample(obj: Any, *, line: int, base_dir: str, require_label: bool = True) -> Sample:
     """Validate one decoded JSON object. Raises SampleError naming the field."""
     _expect_type(obj, dict, "<root>", "a JSON object")
-    sid = _require(obj, "id", "")
-    if not isinstance(sid, (str, int)) or isinstance(sid, bool) or str(sid) == "":
-        raise SampleError("bad_type", "id", "id must be a non-empty string")
-    sid = str(sid)
-    prompt_id = str(obj.get("prompt_id") or sid)
+    sid = _key_string(_require(obj, "id", ""), "id")
+    prompt_id = obj.get("prompt_id")
+    prompt_id = sid if prompt_id is None else _key_string(prompt_id, "prompt_id")
     msgs = _expect_type(_require(obj, "messages", ""), list, "messages", "a list of messages")
     messages = tuple(_parse_message(m, base_dir, f"messages[{i}]") for i, m in enumerate(msgs))
     if not messages:
@@ -326,7 +332,8 @@ def _tool_content_has_image(messages: tuple[Message, ...]) -> bool:
 def iter_jsonl(path: str) -> Iterator[tuple[int, bytes]]:
     with open(path, "rb") as f:
         for i, raw in enumerate(f, start=1):
-            yield i, raw
+            # A UTF-8 byte-order mark (some Windows tools write one) is not part of the first row.
+            yield i, (raw[3:] if i == 1 and raw.startswith(b"\xef\xbb\xbf") else raw)
 
 
 def parse_line(raw: bytes, *, line: int, base_dir: str, require_label: bool = True) -> Sample | Reject | None:

@@ -35,6 +35,8 @@ def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None
     from rm_jax.score.checkpoints import load_judge
     from rm_jax.score.scorer import Scorer
 
+    if not os.path.isfile(input_path):      # before the checkpoint loads, not after
+        raise FileNotFoundError(f"--input={input_path}: no such file (a samples JSONL, DESIGN §4)")
     cfg, renderer = _renderer_for(workdir, tokenizer)
     model, _, used_step = load_judge(workdir, step)
     rows: list[dict | None] = []
