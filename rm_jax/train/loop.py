@@ -116,12 +116,10 @@ class TokenWeights:
     @classmethod
     def from_config(cls, cfg, mcfg: ModelConfig) -> "TokenWeights":
         t = cfg.train
-        n = int(t.get("context_lm_tokens", 0)) if float(t.get("context_lm_weight", 0.0)) else 0
-        if n < 0:
-            raise ValueError(f"train.context_lm_tokens={n}; expected >= 0")
-        if float(t.get("context_lm_weight", 0.0)) and n == 0:
-            raise ValueError("train.context_lm_weight > 0 needs train.context_lm_tokens > 0")
-        return cls(verdict_weight=float(t.get("verdict_weight", 1.0)), context_tokens=n,
+        weight, n = float(t.get("context_lm_weight", 0.0)), int(t.get("context_lm_tokens", 0))
+        if weight and n <= 0:
+            raise ValueError(f"train.context_lm_weight={weight} needs train.context_lm_tokens > 0 (got {n})")
+        return cls(verdict_weight=float(t.get("verdict_weight", 1.0)), context_tokens=n if weight else 0,
                    context_passing_only=bool(t.get("context_lm_passing_only", False)),
                    image_token_id=int(mcfg.image_token_id))
 
