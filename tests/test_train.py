@@ -366,6 +366,10 @@ def test_context_lm_term_is_the_prompt_tail_nll_added_with_its_weight(tiny_cfg, 
     micro = stream.next()
     host = loop.assemble(mcfg, micro, loop.frame_capacity(cfg, mcfg), loop.TokenWeights.from_config(cfg, mcfg))
     ctx = host.batch.context_mask[0]
+    no_budget = cfg.copy_and_resolve_references()
+    no_budget.train.context_lm_tokens = 0
+    with pytest.raises(ValueError, match="needs train.context_lm_tokens > 0"):
+        loop.TokenWeights.from_config(no_budget, mcfg)
     first = np.argmax(micro[0]["target_mask"] > 0, axis=1)
     for row, f in enumerate(first):
         window = micro[0]["input_ids"][row, f - 24:f]
