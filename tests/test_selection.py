@@ -115,7 +115,10 @@ def test_plots_write_pngs(tmp_path):
              plot_p_pass_hist(labels, p, str(tmp_path / "hist.png")),
              plot_reward_hist(labels, 2 * p - 1, str(tmp_path / "reward.png")),
              plot_training([{"step": s, "loss": 3.0 / s, **({"val_loss": 2.0 / s} if s % 5 == 0 else {})}
-                            for s in range(1, 40)], str(tmp_path / "train.png"))]
+                            for s in range(1, 40)], str(tmp_path / "train.png")),
+             plot_training([{"step": s, "loss": 3.0 / s, **({"val_loss": 2.0 / s, "val_auc": 0.5 + s / 100,
+                                                           "val_middle_zone": 1 - s / 50} if s % 5 == 0 else {})}
+                            for s in range(1, 40)], str(tmp_path / "train_judge.png"))]
     for path in paths:
         assert os.path.getsize(path) > 1000
         with open(path, "rb") as f:

@@ -393,3 +393,57 @@ def test_context_lm_term_is_the_prompt_tail_nll_added_with_its_weight(tiny_cfg, 
     ref_target = -(np.asarray(logp)[tb, tt - 1, ids[tb, tt]] * one.target_mask[tb, tt]).sum() / one.target_mask.sum()
     np.testing.assert_allclose(ce_sum / n_tok, ref_target, rtol=1e-5)
     np.testing.assert_allclose(objective, ref_target + 0.5 * ref_ctx + cfg.moe.lb_coef * lb, rtol=1e-5)
+
+
+def test_validation_reads_the_scorers_p_pass_at_the_verdict_slot(tiny_cfg, synth_dir, renderer, built_shards):
+    """Held-out validation reads P(pass) from its own teacher-forced forward at verdict_pos - 1.
+    Causal attention makes that the scorer's prompt + '{"l3": "' prefill: equal to 1e-5 on the
+    same samples. evaluate() then logs the judge metrics beside val_loss, which is unchanged."""
+    from rm_jax.data import loader as loader_lib
+    from rm_jax.data.records import encode, decode
+    from rm_jax.data.schema import Sample, read_samples
+    from rm_jax.score.scorer import Scorer
+
+    cfg = _cfg(tiny_cfg, built_shards[0])
+    mesh = loop.make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=4)
+    model, mcfg = loop.build_model(cfg, mesh)
+    builder = StepBuilder(model, optim.make_optimizer(optim.OptimConfig(lr=1e-3, total_steps=1), model),
+                          StepConfig(LossConfig(96, 512)), mesh, None)
+    state = builder.init_state()
+
+    got = [s for s in read_samples(os.path.join(synth_dir, "samples.jsonl")) if isinstance(s, Sample)]
+    rendered = [(s, renderer.render(s)) for s in got]
+    picked = [(s, ji) for s, ji in rendered if len(ji.input_ids) <= 512]
+    picked = [x for x in picked if x[1].has_image][:3] + [x for x in picked if not x[1].has_image][:1]
+    assert {s.label.l3 for s, _ in picked} >= {"pass"} and len(picked) == 4
+    items = [decode(encode(ji, np.float32)) for _, ji in picked]      # exactly what a shard holds
+    b = loader_lib.Collate(4, tuple(cfg.data.buckets), renderer.tokenizer.pad_token_id or 0,
+                           mcfg.vision.patch_dim)(items)
+    batch = loop.assemble(mcfg, [b], loop.frame_capacity(cfg, mcfg)).batch
+    dev = host_batch_to_device(batch, builder.batch_shardings(batch))
+    v = renderer.verdict
+    for row, (s, _) in enumerate(picked):     # the slot's next token is the teacher's verdict
+        assert b["input_ids"][row, b["verdict_pos"][row]] == (v.pass_id if s.label.l3 == "pass" else v.fail_id)
+    with jax.set_mesh(mesh):
+        m = jax.device_get(builder.jit_eval_verdict()(state.params, builder.rest, dev,
+                                                       np.maximum(b["verdict_pos"] - 1, 0), v.pass_id, v.fail_id))
+        plain = jax.device_get(builder.jit_eval()(state.params, builder.rest, dev))
+    p_eval = 1.0 / (1.0 + np.exp(m["logit_fail"] - m["logit_pass"]))
+    scored = Scorer(model, renderer, buckets=tuple(cfg.data.buckets), batch_size=4, progress=False,
+                    share_prefix=False).p_pass([s for s, _ in picked])
+    np.testing.assert_allclose(p_eval, [x.p_pass for x in scored], atol=1e-5)
+    np.testing.assert_allclose(m["loss_sum"] / m["target_tokens"], plain["loss"], rtol=1e-5)
+
+    plan = loop.RunPlan(total_steps=1, micro_batch=4, accumulation=1, steps_per_epoch=1.0)
+    slot = loop.VerdictSlot.from_manifest(loader_lib.read_manifest(cfg.data.dir))
+    assert slot == loop.VerdictSlot(v.pass_id, v.fail_id)
+    with_judge = loop.evaluate(builder, cfg, mcfg, state, plan, mesh, slot)
+    loss_only = loop.evaluate(builder, cfg, mcfg, state, plan, mesh, None)
+    assert set(loss_only) == {"val_loss"}
+    np.testing.assert_allclose(with_judge["val_loss"], loss_only["val_loss"], rtol=1e-5)
+    for key in ("val_auc", "val_middle_zone", "val_fail_f1", "val_accuracy", "val_majority_baseline",
+                "val_off_vocab_mass"):
+        assert key in with_judge, key
+    assert 0.0 <= with_judge["val_middle_zone"] <= 1.0
+    assert loop.VerdictSlot.from_manifest({"verdict_tokens": {"pass_id": 1, "fail_id": 2},
+                                           "field_order": ["reason", "issues", "img", "l3"]}) is None

@@ -7,7 +7,8 @@
 * `plot_p_pass_hist`: P(pass) by teacher label with the middle zone [0.2, 0.8] shaded; an empty
   band is the 0/1 judge that gives GRPO no within-group spread.
 * `plot_reward_hist`: total reward by teacher label.
-* `plot_training`: train loss (and held-out loss where logged) vs step, from W/metrics.jsonl.
+* `plot_training`: train loss (and held-out loss where logged) vs step, from W/metrics.jsonl, with
+  the held-out AUC and middle zone the validation logged beside it.
 """
 
 from __future__ import annotations
@@ -129,8 +130,13 @@ def plot_reward_hist(labels: Sequence, rewards: Sequence[float], path: str, bins
 
 
 def plot_training(metrics: Sequence[dict], path: str) -> str:
-    """Train loss per logged step and validation loss where it was logged (W/metrics.jsonl rows)."""
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    """Train loss per logged step and validation loss where it was logged (W/metrics.jsonl rows);
+    when the validation also read P(pass) (verdict-first data), a second panel with its held-out
+    AUC and middle-zone share, the numbers the checkpoint choice weighs."""
+    judge = [(m["step"], m["val_auc"], m.get("val_middle_zone")) for m in metrics
+             if m.get("val_auc") is not None]
+    fig, axes = plt.subplots(1, 2 if judge else 1, figsize=(13 if judge else 8, 4.5))
+    ax = axes[0] if judge else axes
     train = [(m["step"], m["loss"]) for m in metrics if "loss" in m]
     val = [(m["step"], m["val_loss"]) for m in metrics if m.get("val_loss") is not None]
     if train:
@@ -142,4 +148,14 @@ def plot_training(metrics: Sequence[dict], path: str) -> str:
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
+    if judge:
+        steps, auc, middle = zip(*judge)
+        axes[1].plot(steps, auc, "o-", color="tab:green", label="held-out AUC")
+        axes[1].plot(steps, [np.nan if x is None else x for x in middle], "s--", color="tab:orange",
+                     label="middle zone (0.2 <= P(pass) <= 0.8)")
+        axes[1].set_ylim(0, 1)
+        axes[1].set_xlabel("step")
+        axes[1].grid(alpha=0.3)
+        axes[1].legend(loc="lower left", fontsize=8)
+        axes[1].set_title("validation during training (eval_batches)")
     return _save(fig, path)

@@ -165,11 +165,21 @@ def _lengths(inputs: JudgeInputs) -> jax.Array:
     return jnp.asarray(inputs.kv_lengths_b, jnp.int32)
 
 
+def verdict_logits_at(model: Qwen3VLMoeJudge, final_btd: jax.Array, pos_b: jax.Array, pass_id: int,
+                      fail_id: int):
+    """(logit_pass_b, logit_fail_b, logsumexp_b) from the final hidden state at ``pos_b`` (the
+    position whose next token is the verdict): the LM head on B rows, not [B, T, V]."""
+    h_bd = jnp.take_along_axis(final_btd, jnp.asarray(pos_b, jnp.int32)[:, None, None], axis=1)[:, 0]
+    logits_bv = _head(model, h_bd)
+    return logits_bv[:, pass_id], logits_bv[:, fail_id], jax.nn.logsumexp(logits_bv, axis=-1)
+
+
 def slot_logits_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, pass_id: int, fail_id: int):
     """(logit_pass_b, logit_fail_b, logsumexp_b) at each row's last prompt position, no cache."""
     out = model.forward_arrays(inputs, logits=False)
-    logits_bv = _head(model, _last_hidden(out.final_hidden_btd, _lengths(inputs)))
-    return logits_bv[:, pass_id], logits_bv[:, fail_id], jax.nn.logsumexp(logits_bv, axis=-1)
+    # Right padding: row b's last prompt token sits at lengths_b - 1 (>= 0: rows are never empty).
+    last_b = jnp.maximum(_lengths(inputs) - 1, 0)
+    return verdict_logits_at(model, out.final_hidden_btd, last_b, pass_id, fail_id)
 
 
 def prefill_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, cache_len: int) -> tuple[jax.Array, KVCache]:

@@ -126,8 +126,11 @@ def mrope_cos_sin(pos_3bt: jax.Array, head_dim: int, theta: float, mrope_section
     # angle tables and overwriting slots, at a third of the cost.
     pos_btf = jnp.moveaxis(pos_3bt.astype(jnp.float32)[slot_axis_f], 0, -1)  # [B, T, F]
     freqs_btf = pos_btf * inv_freq_f
-    emb_btd = jnp.concatenate([freqs_btf, freqs_btf], axis=-1)
-    return jnp.cos(emb_btd).astype(dtype), jnp.sin(emb_btd).astype(dtype)
+    # The table is [f, f]: take cos/sin of one half and repeat it (XLA's CPU cos/sin are costly
+    # enough that the duplicate half was ~4% of the tiny forward).
+    cos_btf, sin_btf = jnp.cos(freqs_btf), jnp.sin(freqs_btf)
+    double = lambda x_btf: jnp.concatenate([x_btf, x_btf], axis=-1).astype(dtype)
+    return double(cos_btf), double(sin_btf)
 
 
 def rotate_half(x):

@@ -281,6 +281,7 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     _write_manifest(workdir, cfg, manifest, data_dir, mesh, plan)
 
     capacity, weights = frame_capacity(cfg, mcfg), TokenWeights.from_config(cfg, mcfg)
+    verdict = VerdictSlot.from_manifest(manifest)
     first = assemble(mcfg, stream.next(), capacity, weights) if start < plan.total_steps else None
     if first is not None:
         shardings = builder.batch_shardings(first.batch)
@@ -322,7 +323,7 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
                          fail_share=fails_since / max(samples_since, 1), epoch=step / plan.steps_per_epoch)
                 if has_heldout and int(t.eval_every) > 0 and (step % int(t.eval_every) == 0
                                                               or step == plan.total_steps):
-                    m["val_loss"] = evaluate(builder, cfg, mcfg, state, plan, mesh)
+                    m.update(evaluate(builder, cfg, mcfg, state, plan, mesh, verdict))
                 writer.write(step, m)
                 bar.set_postfix(loss=f"{m['loss']:.4f}")
                 last_metrics = m
@@ -345,21 +346,62 @@ def _due(step: int, every, last: int) -> bool:
     return step == last or (int(every) > 0 and step % int(every) == 0)
 
 
-def evaluate(builder: StepBuilder, cfg, mcfg, state, plan: RunPlan, mesh) -> float:
-    """Held-out loss: token-sum over the whole split / its target-token count."""
+@dataclasses.dataclass(frozen=True)
+class VerdictSlot:
+    """What the held-out validation needs to read P(pass): the verdict's first token ids. Only
+    for verdict-first data; reason-first targets put the teacher's reason before the slot, so a
+    teacher-forced read there would not be the judge's own P(pass)."""
+    pass_id: int
+    fail_id: int
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> "VerdictSlot | None":
+        tokens, order = manifest.get("verdict_tokens"), manifest.get("field_order") or []
+        if not tokens or not order or order[0] != "l3":
+            return None
+        return cls(int(tokens["pass_id"]), int(tokens["fail_id"]))
+
+
+def evaluate(builder: StepBuilder, cfg, mcfg, state, plan: RunPlan, mesh,
+             verdict: VerdictSlot | None = None) -> dict:
+    """Held-out validation over ``train.eval_batches`` batches (0 = the whole split):
+    ``val_loss`` (token sum / target-token count) and, with ``verdict``, the judge metrics of
+    P(pass) read at the verdict slot of the same forward (``val_auc``, ``val_middle_zone``,
+    ``val_fail_f1``, ``val_accuracy``, ``val_majority_baseline``, ``val_off_vocab_mass``)."""
     stream = BatchStream(cfg.data.dir, "heldout", loader_config(cfg, plan, split="heldout"), 1)
     total, count = 0.0, 0.0
+    labels, p_pass, off_vocab = [], [], []
     limit = int(cfg.train.eval_batches)
     for i, micro in enumerate(stream.it):
         if limit and i >= limit:
             break
         batch = assemble(mcfg, [micro], frame_capacity(cfg, mcfg)).batch
         dev = host_batch_to_device(batch, builder.batch_shardings(batch))
+        if verdict is None:
+            with jax.set_mesh(mesh):
+                m = jax.device_get(builder.jit_eval()(state.params, builder.rest, dev))
+            total += float(m["loss"]) * float(m["target_tokens"])
+            count += float(m["target_tokens"])
+            continue
+        # The logits at verdict_pos - 1 predict the verdict token (padding rows read position 0).
+        slot_b = np.maximum(micro["verdict_pos"].astype(np.int32) - 1, 0)
         with jax.set_mesh(mesh):
-            m = jax.device_get(builder.jit_eval()(state.params, builder.rest, dev))
-        total += float(m["loss"]) * float(m["target_tokens"])
+            m = jax.device_get(builder.jit_eval_verdict()(state.params, builder.rest, dev, slot_b,
+                                                           verdict.pass_id, verdict.fail_id))
+        total += float(m["loss_sum"])
         count += float(m["target_tokens"])
-    return total / max(count, 1.0)
+        rows = np.flatnonzero(micro["example_valid"].astype(bool) & (micro["verdict_pos"] > 0))
+        lp, lf, lse = (np.asarray(m[k], np.float64)[rows] for k in ("logit_pass", "logit_fail", "logsumexp"))
+        p_pass.extend(1.0 / (1.0 + np.exp(np.minimum(lf - lp, 700.0))))
+        off_vocab.extend(np.clip(1.0 - np.exp(lp - lse) - np.exp(lf - lse), 0.0, 1.0))
+        labels.extend(np.asarray(micro["label"])[rows].astype(int))
+    out = {"val_loss": total / max(count, 1.0)}
+    if verdict is not None and labels:
+        from rm_jax.eval.metrics import judge_metrics
+        jm = judge_metrics(labels, p_pass, off_vocab_mass=off_vocab)
+        out.update({f"val_{k}": jm[k] for k in ("auc", "middle_zone", "fail_f1", "accuracy", "majority_baseline")})
+        out["val_off_vocab_mass"] = jm["mean_off_vocab_mass"]
+    return out
 
 
 def check_resume_data(workdir: str, data_dir: str) -> None:

@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from rm_jax.model.decode import verdict_logits_at
 from rm_jax.model.judge import JudgeInputs, Qwen3VLMoeJudge
 from rm_jax.sharding import logical_to_spec
 from rm_jax.train.loss import LossConfig, target_cross_entropy
@@ -77,7 +78,7 @@ class StepBuilder:
         self.optimizer, self.cfg, self.mesh, self.schedule = optimizer, cfg, mesh, schedule
         self.trace_count = 0          # a test asserts one trace per run
         self._params = params
-        self._train = self._eval = None
+        self._train = self._eval = self._eval_verdict = None
         compute = model.cfg.runtime.dtype
         if cfg.expert_grad_dtype and jnp.dtype(cfg.expert_grad_dtype) != jnp.dtype(compute):
             # Casting earlier than the model does is only exact in the dtype it casts to.
@@ -235,6 +236,19 @@ class StepBuilder:
         _, metrics = self._accumulate(params, rest, batch, with_grad=False)
         return metrics
 
+    def _eval_verdict_step(self, params, rest, batch: StepBatch, slot_b, pass_id: int, fail_id: int):
+        """One held-out microbatch, one forward: the target loss (token sum and count) and the
+        verdict-slot logits at ``slot_b``, teacher-forced through the same prompt and target
+        prefix the scorer appends, so P(pass) here is the scorer's (tests/test_train.py)."""
+        model = nnx.merge(self.graphdef, params, rest)
+        inputs = jax.tree.map(lambda x: x[0], batch.inputs)
+        out = model.forward_arrays(inputs, logits=False)
+        tl = target_cross_entropy(out.final_hidden_btd, model.head_dv(), jnp.asarray(inputs.input_ids_bt),
+                                  batch.target_mask[0], self.cfg.loss)
+        lp, lf, lse = verdict_logits_at(model, out.final_hidden_btd, slot_b, pass_id, fail_id)
+        return {"loss_sum": tl.loss_sum, "target_tokens": tl.n_tokens, "logit_pass": lp, "logit_fail": lf,
+                "logsumexp": lse}
+
     # -- jitted entry points --------------------------------------------------------------------
 
     def batch_shardings(self, batch: StepBatch):
@@ -252,6 +266,11 @@ class StepBuilder:
         if self._eval is None:
             self._eval = jax.jit(self._eval_step)
         return self._eval
+
+    def jit_eval_verdict(self):
+        if self._eval_verdict is None:
+            self._eval_verdict = jax.jit(self._eval_verdict_step, static_argnums=(4, 5))
+        return self._eval_verdict
 
 
 def batch_shardings(batch: StepBatch, mesh) -> StepBatch:
