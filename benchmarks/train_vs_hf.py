@@ -91,7 +91,7 @@ def main(argv):
     def build(m):
         builder = StepBuilder(m, optim.make_optimizer(ocfg, m), step_cfg, mesh, optim.schedule(ocfg))
         state = builder.init_state()
-        inputs = prepare_inputs(mcfg, ids, mask, attention="mask", **img_kw)   # as loop.assemble
+        inputs = prepare_inputs(mcfg, ids, mask, attention="lengths", **img_kw)   # as loop.assemble
         batch = StepBatch(inputs=jax.tree.map(lambda x: np.asarray(x)[None], inputs), target_mask=target[None])
         with jax.set_mesh(mesh):
             compiled = builder.jit_train(state, batch).lower(state, builder.rest, batch).compile()
