@@ -174,6 +174,14 @@ def verdict_logits_at(model: Qwen3VLMoeJudge, final_btd: jax.Array, pos_b: jax.A
     return logits_bv[:, pass_id], logits_bv[:, fail_id], jax.nn.logsumexp(logits_bv, axis=-1)
 
 
+def verdict_probabilities(logit_pass, logit_fail, logsumexp) -> tuple[np.ndarray, np.ndarray]:
+    """Host side of a slot read: P(pass) = softmax over {pass, fail} and the mass outside them
+    (``off_vocab_mass``), elementwise, in float64."""
+    lp, lf, lse = (np.asarray(x, np.float64) for x in (logit_pass, logit_fail, logsumexp))
+    p_pass = 1.0 / (1.0 + np.exp(np.minimum(lf - lp, 700.0)))
+    return p_pass, np.clip(1.0 - np.exp(lp - lse) - np.exp(lf - lse), 0.0, 1.0)
+
+
 def slot_logits_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, pass_id: int, fail_id: int):
     """(logit_pass_b, logit_fail_b, logsumexp_b) at each row's last prompt position, no cache."""
     out = model.forward_arrays(inputs, logits=False)

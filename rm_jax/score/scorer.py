@@ -62,7 +62,7 @@ from rm_jax.data import loader as loader_lib
 from rm_jax.data import target as target_lib
 from rm_jax.data.render import JudgeInput, Renderer
 from rm_jax.data.schema import Sample, render_error
-from rm_jax.model.decode import SLOT_PATTERN, DecodeSpec, Decoder, slot_automaton
+from rm_jax.model.decode import SLOT_PATTERN, DecodeSpec, Decoder, slot_automaton, verdict_probabilities
 from rm_jax.model.judge import JudgeInputs, Qwen3VLMoeJudge, prepare_inputs
 from rm_jax.sharding import logical_to_spec
 
@@ -116,10 +116,8 @@ class _PrefixGroup:
 
 
 def _probabilities(lp: float, lf: float, lse: float) -> tuple[float, float]:
-    lp, lf, lse = float(lp), float(lf), float(lse)
-    p_pass = 1.0 / (1.0 + math.exp(min(lf - lp, 700.0)))
-    in_vocab = math.exp(lp - lse) + math.exp(lf - lse)
-    return p_pass, min(1.0, max(0.0, 1.0 - in_vocab))
+    p_pass, off_vocab = verdict_probabilities(lp, lf, lse)
+    return float(p_pass), float(off_vocab)
 
 
 class Scorer:

@@ -31,6 +31,7 @@ from flax import nnx
 from rm_jax.data import loader as loader_lib
 from rm_jax.model import judge as judge_lib
 from rm_jax.model.config import ModelConfig, RuntimeOptions
+from rm_jax.model.decode import verdict_probabilities
 from rm_jax.sharding import describe_devices, make_mesh
 from rm_jax.train import optim
 from rm_jax.train.checkpoint import CheckpointOptions, Checkpointer, abstract_like
@@ -391,9 +392,9 @@ def evaluate(builder: StepBuilder, cfg, mcfg, state, plan: RunPlan, mesh,
         total += float(m["loss_sum"])
         count += float(m["target_tokens"])
         rows = np.flatnonzero(micro["example_valid"].astype(bool) & (micro["verdict_pos"] > 0))
-        lp, lf, lse = (np.asarray(m[k], np.float64)[rows] for k in ("logit_pass", "logit_fail", "logsumexp"))
-        p_pass.extend(1.0 / (1.0 + np.exp(np.minimum(lf - lp, 700.0))))
-        off_vocab.extend(np.clip(1.0 - np.exp(lp - lse) - np.exp(lf - lse), 0.0, 1.0))
+        p_b, off_b = verdict_probabilities(m["logit_pass"], m["logit_fail"], m["logsumexp"])
+        p_pass.extend(p_b[rows])
+        off_vocab.extend(off_b[rows])
         labels.extend(np.asarray(micro["label"])[rows].astype(int))
     out = {"val_loss": total / max(count, 1.0)}
     if verdict is not None and labels:
