@@ -43,10 +43,10 @@ _NEG_FILL = -0.7 * float(jnp.finfo(jnp.float32).max)
 def _mask_terms(valid_bts):
     """The mask as an additive bias (0 or the fill) and a per-query-row "has a valid key" factor.
 
-    An add of a [B, T, S] bias fuses into the logits' consumers; a ``jnp.where`` against a scalar
-    fill made XLA's CPU backend materialize the fill broadcast to the full [B, K, G, T, S] shape and
-    a select in the backward (~15% of the tiny train step). exp(l + fill - lse) is exactly 0 in
-    fp32, so masked entries get no probability and no gradient without a select.
+    The add of a [B, T, S] bias costs one pass over the logits; a ``jnp.where`` against a scalar
+    fill made XLA's CPU backend materialize the fill broadcast to the full [B, K, G, T, S] shape
+    plus a select in the backward (~10% of the tiny train step's thread time). exp(l + fill - m) is
+    exactly 0 in fp32, so masked entries get no probability and no gradient without a select.
     """
     bias_bts = jnp.where(valid_bts, 0.0, _NEG_FILL).astype(jnp.float32)
     live_bt1 = jnp.any(valid_bts, axis=-1, keepdims=True).astype(jnp.float32)
