@@ -303,16 +303,18 @@ _combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
 
 def _tiled_mlp_loop(sizes, x_pd, wgu_edf, wo_efd, plan, save_hidden):
     """One loop per tile size over that size's windows (start row, expert), chained on the carry."""
-    n_rows, d = x_pd.shape
+    n_rows = x_pd.shape[0]
     f = wo_efd.shape[1]
-    y_pd, *hidden = _match_varying(x_pd, jnp.zeros((n_rows, d), x_pd.dtype),
-                                   *((jnp.zeros((n_rows, 2 * f), x_pd.dtype),) if save_hidden else ()))[1:]
+    # The output overwrites the input window by window (windows are disjoint and each reads its
+    # rows before writing them), so no zero-filled output buffer is written first; rows outside
+    # every window are padding, zero in x_pd, and stay zero.
+    y_pd, *hidden = _match_varying(x_pd, *((jnp.zeros((n_rows, 2 * f), x_pd.dtype),) if save_hidden else ()))
     carry = (y_pd, hidden)
     for m, (start_w, expert_w, count) in zip(sizes, plan):
         def body(i, carry, m=m, start_w=start_w, expert_w=expert_w):
             y_pd, hidden = carry
             e, row = expert_w[i], start_w[i]
-            hu_mf = jax.lax.dynamic_slice_in_dim(x_pd, row, m) @ wgu_edf[e]
+            hu_mf = jax.lax.dynamic_slice_in_dim(y_pd, row, m) @ wgu_edf[e]
             y_md = (jax.nn.silu(hu_mf[:, :f]) * hu_mf[:, f:]) @ wo_efd[e]
             y_pd = jax.lax.dynamic_update_slice_in_dim(y_pd, y_md, row, 0)
             if save_hidden:
@@ -342,13 +344,14 @@ def _tiled_expert_mlp_bwd(sizes, res, dy_pd):
     x_pd, wgu_edf, wo_efd, plan, hu_pf = res
     f = wo_efd.shape[1]
     f32 = jnp.float32
-    carry = _match_varying(dy_pd, x_pd, jnp.zeros_like(x_pd),
-                           *(jnp.zeros(w.shape, f32) for w in (wgu_edf, wo_efd)))[2:]
+    # dx overwrites dy window by window, as y overwrites x in the forward; dy is zero outside them.
+    carry = _match_varying(dy_pd, x_pd, *(jnp.zeros(w.shape, f32) for w in (wgu_edf, wo_efd)))
+    carry = (carry[0],) + carry[2:]
     for m, (start_w, expert_w, count) in zip(sizes, plan):
         def body(i, carry, m=m, start_w=start_w, expert_w=expert_w):
             dx_pd, dwgu, dwo = carry
             e, row = expert_w[i], start_w[i]
-            x_md, hu_mf, dy_md = (jax.lax.dynamic_slice_in_dim(a, row, m) for a in (x_pd, hu_pf, dy_pd))
+            x_md, hu_mf, dy_md = (jax.lax.dynamic_slice_in_dim(a, row, m) for a in (x_pd, hu_pf, dx_pd))
             h_mf, u_mf = hu_mf[:, :f], hu_mf[:, f:]
             sig_mf = jax.nn.sigmoid(h_mf)
             act_mf = h_mf * sig_mf
@@ -431,8 +434,10 @@ def tiled_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd, 
     pos_sorted_m = jnp.where(key_sorted_m < n_local, pstart_e[key_c] + arange_m - start_e[key_c], n_rows)
     pos_m = jnp.zeros((n_assign,), jnp.int32).at[order_m].set(pos_sorted_m, unique_indices=True)
     # Inverse map: assignment of every padded row (n_assign = none, whose token n_tokens is the zero row).
-    assign_p = jnp.full((n_rows + 1,), n_assign, jnp.int32).at[pos_m].set(arange_m, mode="drop",
-                                                                      unique_indices=True)
+    # Other ranks' assignments (pos n_rows) are dropped, so the shared last row stays "none": zero
+    # in x_pd, hence in y_pd (which overwrites x_pd in place), and zero in the cotangent.
+    assign_p = jnp.full((n_rows + 1,), n_assign, jnp.int32).at[
+        jnp.where(pos_m < n_rows, pos_m, n_rows + 1)].set(arange_m, mode="drop", unique_indices=True)
     sizes, plan = tile_plan(units_e, pstart_e, m, n_levels, max_units)
 
     x_pd = _dispatch_rows(*_match_varying(x_td, assign_p // top_k, pos_m.reshape(n_tokens, top_k)))
