@@ -164,3 +164,30 @@ def test_shortcut_baseline_single_class_train():
     train = [s for s in _fabricated_samples(50, 4, False) if s.label.l3 == "pass"]
     result = shortcut_baseline(train, _fabricated_samples(20, 5, False))
     assert math.isnan(result["auc"]) and "not fitted" in result["note"]
+
+
+def test_failures_by_issue_equals_sklearn_per_failure_kind():
+    from rm_jax.eval.metrics import failures_by_issue
+    y_fail, p, _, _ = _random_set(7)
+    rng = np.random.default_rng(8)
+    codes = ("wrong_param", "missing_param", "image_mismatch")
+    # Fails carry one code, two codes, or none; passes carry none (and anything on a pass is ignored).
+    issues = [list(rng.choice(codes, size=rng.integers(0, 3), replace=False)) if f else
+              (["wrong_param"] if rng.random() < 0.1 else []) for f in y_fail]
+    got = failures_by_issue(["fail" if f else "pass" for f in y_fail], p, issues)
+    passes = np.flatnonzero(y_fail == 0)
+    expected_codes = {c for f, iss in zip(y_fail, issues) if f for c in (iss or ["(none)"])}
+    assert set(got) == expected_codes
+    assert [m["n"] for m in got.values()] == sorted((m["n"] for m in got.values()), reverse=True)
+    for code, m in got.items():
+        idx = np.array([i for i in np.flatnonzero(y_fail) if code in (issues[i] or ["(none)"])])
+        assert m["n"] == len(idx)
+        assert m["mean_p_pass"] == pytest.approx(p[idx].mean(), abs=1e-12)
+        assert m["recall"] == pytest.approx(recall_score(np.ones(len(idx)), (p[idx] < 0.5).astype(int)), abs=1e-12)
+        y = np.r_[np.zeros(len(passes)), np.ones(len(idx))]
+        assert m["auc_vs_pass"] == pytest.approx(roc_auc_score(y, 1 - np.r_[p[passes], p[idx]]), abs=1e-12)
+    # Without passes the AUC is undefined, not 0.5.
+    only_fails = failures_by_issue(["fail"] * 3, [0.1, 0.9, 0.4], [["a"], ["a"], []])
+    assert math.isnan(only_fails["a"]["auc_vs_pass"]) and only_fails["(none)"]["n"] == 1
+    with pytest.raises(ValueError, match="teacher_issues"):
+        failures_by_issue(["fail", "pass"], [0.1, 0.9], [["a"]])

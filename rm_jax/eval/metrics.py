@@ -181,6 +181,35 @@ def judge_metrics(labels: Sequence[Any], p_pass: Sequence[float], img_pred: Sequ
     return result
 
 
+def failures_by_issue(labels: Sequence[Any], p_pass: Sequence[float],
+                      teacher_issues: Sequence[Sequence[str]]) -> dict[str, dict]:
+    """How the judge scores each kind of failure the teacher filed, keyed by issue code.
+
+    One AUC hides *which* failures a judge misses: a judge can be perfect on a missing parameter
+    and blind to a wrong value. For every code on a teacher "fail" label: ``n`` (failures carrying
+    it), ``mean_p_pass``, ``recall`` (share flagged fail, P(pass) < 0.5) and ``auc_vs_pass``, the
+    ROC-AUC of those failures against every held-out pass (NaN without passes). A failure with
+    several codes counts under each; one with none under ``"(none)"``. Ordered by n, largest first.
+    """
+    y_fail = fail_indicator(labels)
+    n = int(y_fail.size)
+    p = _probabilities(p_pass, n)
+    if len(teacher_issues) != n:
+        raise ValueError(f"teacher_issues has {len(teacher_issues)} entries for {n} samples")
+    codes: dict[str, list[int]] = {}
+    for i in np.flatnonzero(y_fail):
+        for code in (list(teacher_issues[i]) or ["(none)"]):
+            codes.setdefault(str(code), []).append(int(i))
+    passes = np.flatnonzero(y_fail == 0)
+    out = {}
+    for code, idx in sorted(codes.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        both = np.concatenate([passes, idx])
+        out[code] = {"n": len(idx), "mean_p_pass": float(p[idx].mean()),
+                     "recall": float(np.mean(p[idx] < PASS_THRESHOLD)),
+                     "auc_vs_pass": safe_auc(y_fail[both], 1.0 - p[both])}
+    return out
+
+
 # ---------------------------------------------------------------- JSON
 
 

@@ -25,7 +25,7 @@ from rm_jax.data.render import Renderer
 from rm_jax.data.schema import Sample, read_samples
 from rm_jax.eval import plots
 from rm_jax.eval.baseline import shortcut_baseline
-from rm_jax.eval.metrics import METRIC_KEYS, judge_metrics, to_jsonable
+from rm_jax.eval.metrics import METRIC_KEYS, failures_by_issue, judge_metrics, to_jsonable
 from rm_jax.eval.reward_report import format_markdown, reward_report
 from rm_jax.eval.selection import SelectionRule, SweepRow, format_table, select_checkpoint
 from rm_jax.score.reward import RewardSettings, compute_reward, sample_has_image
@@ -174,7 +174,8 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
         "workdir": os.path.abspath(workdir), "data": os.path.abspath(data_dir), "n_heldout": len(heldout),
         "rule": rule.describe(), "rows": [dataclasses.asdict(r) for r in rows],
         "chosen": {"step": choice.step, "reason": choice.reason, "candidates": choice.candidates,
-                   "fallback": choice.fallback, **chosen.metrics},
+                   "fallback": choice.fallback, **chosen.metrics,
+                   "by_issue": failures_by_issue(labels, p_pass, [s.label.issues for s in chosen_samples])},
         "lowest_val_loss_step": naive.step if naive else None,
         "reward_validation": reward_val,
         "reward_config": reward.to_json(), "shortcut_baseline": baseline, "plots": plot_paths,
@@ -199,6 +200,15 @@ def format_sweep_markdown(out: dict, rows: Sequence[SweepRow], choice) -> str:
     for name, m in (c.get("slices") or {}).items():
         lines.append(f"| {name} | {m['n']} | {m['n_fail']} | {_fmt(m['accuracy'])} | {_fmt(m['fail_f1'])} | "
                      f"{_fmt(m['auc'], '{:.3f}')} | {_fmt(m['middle_zone'])} |")
+    if c.get("by_issue"):
+        lines += ["", "## Chosen checkpoint by teacher issue (failures only)", "",
+                  "Each kind of failure the teacher filed, against every held-out pass: which failures the "
+                  "judge catches and which it misses.", "",
+                  "| teacher issue | fails | mean P(pass) | caught (P(pass) < 0.5) | AUC vs passes |",
+                  "|---|---|---|---|---|"]
+        for code, m in c["by_issue"].items():
+            lines.append(f"| {code} | {m['n']} | {_fmt(m['mean_p_pass'], '{:.3f}')} | {_fmt(m['recall'])} | "
+                         f"{_fmt(m['auc_vs_pass'], '{:.3f}')} |")
     lines += ["", f"Parse failures: {_fmt(c.get('parse_failure_rate'))}; mean off-vocab mass at the slot: "
               f"{_fmt(c.get('mean_off_vocab_mass'), '{:.4f}')}.", "", "## Reward validation (chosen step)", "",
               format_markdown(out["reward_validation"]), "", "## Shortcut baseline", "",
