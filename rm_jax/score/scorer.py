@@ -48,8 +48,10 @@ Design choices:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
+import itertools
 import math
 import sys
 from typing import Sequence
@@ -120,6 +122,22 @@ def _probabilities(lp: float, lf: float, lse: float) -> tuple[float, float]:
     return float(p_pass), float(off_vocab)
 
 
+def _in_flight(calls, depth: int = 2):
+    """(batch, device result) pairs -> (batch, host result), with up to ``depth`` calls queued:
+    the host collates and dispatches the next batch while the device runs this one (fetching each
+    result right after its call serialized the two). Bounded, so only ``depth`` batches' inputs
+    (e.g. prefix KV caches) are alive at once."""
+    queue: collections.deque = collections.deque()
+    for batch, result in calls:
+        queue.append((batch, result))
+        if len(queue) >= depth:
+            done, value = queue.popleft()
+            yield done, jax.device_get(value)
+    while queue:
+        done, value = queue.popleft()
+        yield done, jax.device_get(value)
+
+
 class Scorer:
     def __init__(self, model: Qwen3VLMoeJudge, renderer: Renderer, *, field_order: Sequence[str] | None = None,
                  buckets: Sequence[int], batch_size: int, max_new_tokens: int = 128, mesh=None,
@@ -165,21 +183,27 @@ class Scorer:
         groups: list[_PrefixGroup] = []
         if self.verdict_first and self.share_prefix:
             groups, items = self._prefix_groups(items)
-            for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, 0, "p_pass"):
-                lp, lf, lse = jax.device_get(self.decoder.extend_slot_logits(
-                    cache, rows_b, tokens_bn, n_b, self.pass_id, self.fail_id))
+            shared = ((part, self.decoder.extend_slot_logits(cache, rows_b, tokens_bn, n_b, self.pass_id,
+                                                             self.fail_id))
+                      for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, 0, "p_pass"))
+            for part, (lp, lf, lse) in _in_flight(shared):
                 for k, it in enumerate(part):
                     p, off = _probabilities(lp[k], lf[k], lse[k])
                     out[it.index] = VerdictScore(samples[it.index].id, p, off, float(lp[k]), float(lf[k]), True, None)
-        for batch, inputs in self._batches(items, "p_pass"):
+
+        def slot_reads(batch, inputs):
             if self.verdict_first:
-                lp, lf, lse = jax.device_get(self.decoder.slot_logits(inputs, self.pass_id, self.fail_id))
+                return self.decoder.slot_logits(inputs, self.pass_id, self.fail_id)
+            return self.decoder.generate(inputs, self._spec, self._slot_table(), np.zeros(self.batch_size, np.int32),
+                                         live_b=self._live(batch), stop_at_slot=True)
+
+        for batch, got in _in_flight((batch, slot_reads(batch, inputs))
+                                     for batch, inputs in self._batches(items, "p_pass")):
+            if self.verdict_first:
+                lp, lf, lse = got
                 found = np.ones(len(lp), bool)
             else:
-                gen = jax.device_get(self.decoder.generate(inputs, self._spec, self._slot_table(),
-                                                           np.zeros(self.batch_size, np.int32),
-                                                           live_b=self._live(batch), stop_at_slot=True))
-                lp, lf, lse, found = gen.logit_pass_b, gen.logit_fail_b, gen.logsumexp_b, gen.slot_found_b
+                lp, lf, lse, found = got.logit_pass_b, got.logit_fail_b, got.logsumexp_b, got.slot_found_b
             for row, it in enumerate(batch):
                 sid = samples[it.index].id
                 if not found[row]:
@@ -205,17 +229,13 @@ class Scorer:
         groups: list[_PrefixGroup] = []
         if self.verdict_first and self.share_prefix:
             groups, items = self._prefix_groups(items)
-        for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, self.max_new_tokens, "score"):
-            force_bf, force_len_b = self._forced(part, forced_ids)
-            gen = jax.device_get(self.decoder.generate_shared(
-                cache, rows_b, tokens_bn, n_b, self._spec, self._slot_table(), match0, force_bf, force_len_b,
-                live_b=self._live(part)))
-            for row, it in enumerate(part):
-                out[it.index] = self._result(samples[it.index].id, gen, row)
-        for batch, inputs in self._batches(items, "score"):
-            force_bf, force_len_b = self._forced(batch, forced_ids)
-            gen = jax.device_get(self.decoder.generate(inputs, self._spec, self._slot_table(), match0,
-                                                       force_bf, force_len_b, live_b=self._live(batch)))
+        shared = ((part, self.decoder.generate_shared(cache, rows_b, tokens_bn, n_b, self._spec, self._slot_table(),
+                                                      match0, *self._forced(part, forced_ids), live_b=self._live(part)))
+                  for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, self.max_new_tokens, "score"))
+        whole = ((batch, self.decoder.generate(inputs, self._spec, self._slot_table(), match0,
+                                               *self._forced(batch, forced_ids), live_b=self._live(batch)))
+                 for batch, inputs in self._batches(items, "score"))
+        for batch, gen in itertools.chain(_in_flight(shared), _in_flight(whole)):
             for row, it in enumerate(batch):
                 out[it.index] = self._result(samples[it.index].id, gen, row)
         return out  # type: ignore[return-value]
