@@ -330,7 +330,8 @@ def tiled_expert_mlp(sizes, x_pd, wgu_edf, wo_efd, plan):
     """``down(silu(gate) * up)``, ``[gate | up] = x @ wgu[e]``, on row windows of ``x_pd``.
 
     ``plan[j] = (start_w, expert_w, count)``: windows ``[start_w[i], start_w[i] + sizes[j])``,
-    i < count, belong to expert ``expert_w[i]``. Rows outside every window are zero.
+    i < count, belong to expert ``expert_w[i]``. Rows outside every window pass through unchanged
+    (identity, gradient included); ``tiled_experts`` keeps them zero (padding).
     """
     return _tiled_mlp_loop(sizes, x_pd, wgu_edf, wo_efd, plan, False)[0]
 
@@ -344,9 +345,10 @@ def _tiled_expert_mlp_bwd(sizes, res, dy_pd):
     x_pd, wgu_edf, wo_efd, plan, hu_pf = res
     f = wo_efd.shape[1]
     f32 = jnp.float32
-    # dx overwrites dy window by window, as y overwrites x in the forward; dy is zero outside them.
-    carry = _match_varying(dy_pd, x_pd, *(jnp.zeros(w.shape, f32) for w in (wgu_edf, wo_efd)))
-    carry = (carry[0],) + carry[2:]
+    # dx overwrites dy window by window, as y overwrites x in the forward (outside the windows the
+    # map is the identity, so dx = dy there). x_pd joins only to unify the varying mesh axes.
+    dx_pd, _, *dw = _match_varying(dy_pd, x_pd, *(jnp.zeros(w.shape, f32) for w in (wgu_edf, wo_efd)))
+    carry = (dx_pd, *dw)
     for m, (start_w, expert_w, count) in zip(sizes, plan):
         def body(i, carry, m=m, start_w=start_w, expert_w=expert_w):
             dx_pd, dwgu, dwo = carry
