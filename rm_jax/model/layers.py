@@ -358,3 +358,37 @@ class LayerStack(nnx.Module):
             ys.append(y)
         ys = None if ys[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys)
         return carry, ys
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3.5 norms
+# ---------------------------------------------------------------------------------------------
+
+class ZeroCenteredRMSNorm(nnx.Module):
+    """Qwen3.5's RMSNorm: ``x_hat * (1 + w)`` with ``w`` initialised to zero, the product taken in
+    fp32 before the cast back (transformers' ``Qwen3_5MoeRMSNorm``; unlike ``RMSNorm``'s order)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32, names: Names = ("norm",)):
+        self.eps = eps
+        self.weight = param(jnp.zeros((dim,), param_dtype), names)
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        y = x32 * jax.lax.rsqrt(var + self.eps) * (1.0 + self.weight[...].astype(jnp.float32))
+        return y.astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """RMSNorm then a SiLU gate: ``(w * norm(x)) * silu(z)`` (transformers' ``...RMSNormGated``).
+    The normalised x is cast back before the weight, the gate is applied in fp32."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32, names: Names = ("norm",)):
+        self.eps = eps
+        self.weight = param(jnp.ones((dim,), param_dtype), names)
+
+    def __call__(self, x, z):
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        y = self.weight[...].astype(x.dtype) * (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
