@@ -339,7 +339,8 @@ HF_PARAMS: dict[str, tuple[str, Callable[[np.ndarray, GatedDeltaNetConfig], np.n
 
 
 def load_hf_tensors(layer: "GatedDeltaNet", tensors: dict[str, np.ndarray]) -> None:
-    """Fill ``layer`` from one transformers GDN layer's tensors (keys as in ``HF_PARAMS``)."""
+    """Fill ``layer`` (possibly abstract, from ``nnx.eval_shape``) from one transformers GDN
+    layer's tensors (keys as in ``HF_PARAMS``)."""
     for path, (key, to_ours) in HF_PARAMS.items():
         if key not in tensors:
             raise KeyError(f"GDN tensor {key!r} missing (have {sorted(tensors)})")
@@ -349,9 +350,9 @@ def load_hf_tensors(layer: "GatedDeltaNet", tensors: dict[str, np.ndarray]) -> N
             target = getattr(target, name)
         var = getattr(target, leaf)
         value = np.asarray(to_ours(np.asarray(tensors[key]), layer.cfg))
-        if value.shape != var[...].shape:
-            raise ValueError(f"GDN tensor {key!r}: shape {value.shape} after transform, expected {var[...].shape}")
-        var[...] = jnp.asarray(value, var[...].dtype)
+        if value.shape != tuple(var.shape):
+            raise ValueError(f"GDN tensor {key!r}: shape {value.shape} after transform, expected {var.shape}")
+        var.set_value(jnp.asarray(value, var.dtype))
 
 
 def causal_conv(x_btc, history_bwc, w_wc):
