@@ -6,8 +6,9 @@ rm_jax's ``chunk_gated_delta_rule`` (jitted ``jax.vjp``) against transformers'
 ``torch_chunk_gated_delta_rule`` (autograd) at the same shapes, fp32, the same inputs and output
 cotangent, the same thread count. Gradients flow to q, k, v, g and beta; q and k are L2-normalised
 inside both kernels (as the layer calls them). Prints seconds per forward+backward of each and the
-ratio, then the rm_jax forward alone, the sequential part (the chunk scan) alone, and the largest
-gradient difference between the two. Last line: one JSON object. A measurement, not a test.
+ratio, the forward alone, and the largest gradient difference between the two. Single-threaded by
+default and compared by process CPU time (also printed: wall time, the two timed alternately).
+Last line: one JSON object. A measurement, not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -28,24 +29,33 @@ flags.DEFINE_integer("key_heads", 2, "q/k heads")
 flags.DEFINE_integer("value_heads", 4, "value heads (a multiple of key_heads)")
 flags.DEFINE_integer("dim", 64, "key and value head dim")
 flags.DEFINE_integer("chunk", 64, "chunk size")
+flags.DEFINE_integer("threads", 1, "CPU threads for both; 1 (the default) is timed by CPU time, which "
+                     "other tenants of a shared CPU do not stretch; 0: all this process may use, timed by wall")
 flags.DEFINE_integer("iters", 7, "timed iterations of each, interleaved (after two warm-ups)")
 
 
-def interleaved_medians(fn_a, fn_b, iters: int, warmup: int = 2) -> tuple[float, float]:
-    """Median seconds of two functions timed alternately (a, b, a, b, ...) after warm-up."""
+def interleaved_medians(fn_a, fn_b, iters: int, warmup: int = 2):
+    """Median (wall, process CPU) seconds of two functions timed alternately (a, b, a, b, ...),
+    after warm-up: ``((wall_a, cpu_a), (wall_b, cpu_b))``."""
     for _ in range(warmup):
         fn_a(), fn_b()
-    ta, tb = [], []
+    times = {0: ([], []), 1: ([], [])}
     for _ in range(iters):
-        for fn, out in ((fn_a, ta), (fn_b, tb)):
-            t0 = time.perf_counter()
+        for i, fn in enumerate((fn_a, fn_b)):
+            w0, c0 = time.perf_counter(), time.process_time()
             fn()
-            out.append(time.perf_counter() - t0)
-    return float(np.median(ta)), float(np.median(tb))
+            times[i][0].append(time.perf_counter() - w0)
+            times[i][1].append(time.process_time() - c0)
+    return tuple((float(np.median(w)), float(np.median(c))) for w, c in (times[0], times[1]))
 
 
 def main(argv):
     del argv
+    f = flags.FLAGS
+    n_threads = f.threads or len(os.sched_getaffinity(0))
+    if n_threads == 1:  # must precede the jax import: XLA's CPU thread pool is fixed at start
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+                                   " intra_op_parallelism_threads=1").strip()
     import jax
     import jax.numpy as jnp
     import torch
@@ -53,8 +63,6 @@ def main(argv):
 
     from rm_jax.model.gated_deltanet import chunk_gated_delta_rule
 
-    f = flags.FLAGS
-    n_threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(n_threads)
     b, t, g, h, d = f.batch, f.seq, f.key_heads, f.value_heads, f.dim
     rng = np.random.default_rng(0)
@@ -102,17 +110,26 @@ def main(argv):
     grad_err = max(float(np.max(np.abs(np.asarray(a) - b.numpy())) / (np.max(np.abs(b.numpy())) + 1e-30))
                    for a, b in zip(jax_grads, hf_grads))
 
+    (jw, jc), (hw, hc) = jax_s, hf_s
+    (jfw, jfc), (hfw, hfc) = jax_fwd_s, hf_fwd_s
+    # Single-threaded, CPU time is the steadier figure on a shared machine (other tenants do not
+    # stretch it); with more threads only wall time means anything.
+    use_cpu = n_threads == 1
+    speedup = (hc / jc) if use_cpu else (hw / jw)
+    fwd_speedup = (hfc / jfc) if use_cpu else (hfw / jfw)
     print(f"threads: jax (XLA CPU) {n_threads}, torch {torch.get_num_threads()}; B={b} T={t} "
-          f"key heads {g} x {d}, value heads {h} x {d}, chunk {f.chunk}")
-    print(f"{'impl':<14}{'fwd+bwd s':>12}{'fwd s':>10}")
-    print(f"{'rm_jax':<14}{jax_s:>12.4f}{jax_fwd_s:>10.4f}")
-    print(f"{'transformers':<14}{hf_s:>12.4f}{hf_fwd_s:>10.4f}")
-    print(f"speedup rm_jax / transformers: fwd+bwd {hf_s / jax_s:.2f}x, fwd {hf_fwd_s / jax_fwd_s:.2f}x")
+          f"key heads {g} x {d}, value heads {h} x {d}, chunk {f.chunk}; medians of {f.iters}, interleaved")
+    print(f"{'impl':<14}{'fwd+bwd wall':>14}{'fwd+bwd cpu':>13}{'fwd wall':>10}{'fwd cpu':>9}")
+    print(f"{'rm_jax':<14}{jw:>14.4f}{jc:>13.4f}{jfw:>10.4f}{jfc:>9.4f}")
+    print(f"{'transformers':<14}{hw:>14.4f}{hc:>13.4f}{hfw:>10.4f}{hfc:>9.4f}")
+    print(f"speedup rm_jax / transformers ({'CPU time' if use_cpu else 'wall time'}): "
+          f"fwd+bwd {speedup:.2f}x, fwd {fwd_speedup:.2f}x  (wall: fwd+bwd {hw / jw:.2f}x, fwd {hfw / jfw:.2f}x)")
     print(f"max relative gradient difference (q, k, v, g, beta): {grad_err:.2e}")
-    print(json.dumps({"bench": "gdn_vs_hf", "speedup_vs_hf": round(hf_s / jax_s, 3),
-                      "fwd_speedup_vs_hf": round(hf_fwd_s / jax_fwd_s, 3),
-                      "rm_jax_fwd_bwd_s": round(jax_s, 4), "hf_fwd_bwd_s": round(hf_s, 4),
-                      "rm_jax_fwd_s": round(jax_fwd_s, 4), "hf_fwd_s": round(hf_fwd_s, 4),
+    print(json.dumps({"bench": "gdn_vs_hf", "speedup_vs_hf": round(speedup, 3),
+                      "fwd_speedup_vs_hf": round(fwd_speedup, 3), "timing": "cpu" if use_cpu else "wall",
+                      "wall_speedup_vs_hf": round(hw / jw, 3),
+                      "rm_jax_fwd_bwd_s": round(jc if use_cpu else jw, 4), "hf_fwd_bwd_s": round(hc if use_cpu else hw, 4),
+                      "rm_jax_fwd_s": round(jfc if use_cpu else jfw, 4), "hf_fwd_s": round(hfc if use_cpu else hfw, 4),
                       "max_rel_grad_diff": float(f"{grad_err:.3g}"), "threads": n_threads,
                       "batch": b, "seq": t, "key_heads": g, "value_heads": h, "head_dim": d,
                       "chunk": f.chunk, "platform": jax.devices()[0].platform}))

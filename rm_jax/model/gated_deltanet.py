@@ -135,9 +135,32 @@ def recurrent_gated_delta_rule(q_btgk, k_btgk, v_bthv, g_bth, beta_bth, *, initi
     return o_bthv, (state_bhkv if output_final_state else None)
 
 
+@jax.custom_vjp
 def unit_lower_inverse(a_xll):
     """``(I + A)^-1`` for strictly lower-triangular ``A`` [..., L, L] (L a power of two), by block
-    doubling: the 2s-block inverse is ``[[X1, 0], [-X2 A21 X1, X2]]`` from its two s-blocks."""
+    doubling: the 2s-block inverse is ``[[X1, 0], [-X2 A21 X1, X2]]`` from its two s-blocks.
+
+    The backward is the closed form ``dA = -(T^T dT T^T)`` on the strict lower triangle (two
+    matmuls) rather than the transpose of every doubling round."""
+    return _unit_lower_inverse(a_xll)
+
+
+def _unit_lower_inverse_fwd(a_xll):
+    t_xll = _unit_lower_inverse(a_xll)
+    return t_xll, t_xll
+
+
+def _unit_lower_inverse_bwd(t_xll, dt_xll):
+    t_t = jnp.swapaxes(t_xll, -1, -2)
+    da_xll = -jnp.matmul(t_t, jnp.matmul(dt_xll, t_t))
+    l = t_xll.shape[-1]
+    return (jnp.where(jnp.asarray(np.tril(np.ones((l, l), bool), -1)), da_xll, 0.0),)
+
+
+unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
+
+
+def _unit_lower_inverse(a_xll):
     l = a_xll.shape[-1]
     if l & (l - 1):
         raise ValueError(f"chunk size {l} must be a power of two")
@@ -191,58 +214,60 @@ def chunk_gated_delta_rule(q_btgk, k_btgk, v_bthv, g_bth, beta_bth, *, chunk_siz
         g_bth, beta_bth = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (g_bth, beta_bth))
     n = (t + pad) // l
 
-    def chunks(x_bt_):  # [B, T, heads, ...] -> [B, heads, N, L, ...]
+    # Chunk-major layout [N, B, heads, L, ...]: the scan slices and stacks its leading axis, so
+    # neither its inputs nor the per-chunk start states need a transpose.
+    def chunks(x_bt_):  # [B, T, heads, ...] -> [N, B, heads, L, ...]
         x = x_bt_.reshape(b, n, l, *x_bt_.shape[2:])
-        return jnp.moveaxis(x, 3, 1)
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
 
-    def per_value_head(x_bg_):  # key head g serves value heads g*R .. g*R + R-1
-        return jnp.repeat(x_bg_, r, axis=1) if r > 1 else x_bg_
+    def per_value_head(x_nbg_):  # key head g serves value heads g*R .. g*R + R-1
+        return jnp.repeat(x_nbg_, r, axis=2) if r > 1 else x_nbg_
 
-    q_bgnlk, k_bgnlk, v_bhnlv = chunks(q), chunks(k), chunks(v)
-    g_bhnl, beta_bhnl = chunks(g_bth), chunks(beta_bth)
+    q_nbglk, k_nbglk, v_nbhlv = chunks(q), chunks(k), chunks(v)
+    g_nbhl, beta_nbhl = chunks(g_bth), chunks(beta_bth)
     # The Gram matrices depend only on the key head: computed once per key head, then shared.
-    kk_bhnlm = per_value_head(jnp.einsum("bgnlk,bgnmk->bgnlm", k_bgnlk, k_bgnlk))
-    qk_bhnlm = per_value_head(jnp.einsum("bgnlk,bgnmk->bgnlm", q_bgnlk, k_bgnlk))
-    q_bhnlk, k_bhnlk = per_value_head(q_bgnlk), per_value_head(k_bgnlk)
+    kk_nbhlm = per_value_head(jnp.einsum("nbglk,nbgmk->nbglm", k_nbglk, k_nbglk))
+    qk_nbhlm = per_value_head(jnp.einsum("nbglk,nbgmk->nbglm", q_nbglk, k_nbglk))
+    q_nbhlk, k_nbhlk = per_value_head(q_nbglk), per_value_head(k_nbglk)
 
-    cum_bhnl = jnp.cumsum(g_bhnl, axis=-1)               # log decay from chunk start to l
+    cum_nbhl = jnp.cumsum(g_nbhl, axis=-1)               # log decay from chunk start to l
     causal_lm = jnp.asarray(np.tril(np.ones((l, l), bool)))
     strict_lm = jnp.asarray(np.tril(np.ones((l, l), bool), -1))
     # exp(cum_l - cum_m) for m <= l; masked before exp so the upper triangle cannot overflow.
-    diff_bhnlm = cum_bhnl[..., :, None] - cum_bhnl[..., None, :]
-    decay_bhnlm = jnp.exp(jnp.where(causal_lm, diff_bhnlm, -jnp.inf))
+    diff_nbhlm = cum_nbhl[..., :, None] - cum_nbhl[..., None, :]
+    decay_nbhlm = jnp.exp(jnp.where(causal_lm, diff_nbhlm, -jnp.inf))
 
-    a_bhnlm = jnp.where(strict_lm, beta_bhnl[..., :, None] * kk_bhnlm * decay_bhnlm, 0.0)
-    p_bhnlm = qk_bhnlm * decay_bhnlm                       # intra-chunk attention (causal)
-    t_bhnlm = unit_lower_inverse(a_bhnlm)                  # UT transform (I + A)^-1
+    a_nbhlm = jnp.where(strict_lm, beta_nbhl[..., :, None] * kk_nbhlm * decay_nbhlm, 0.0)
+    p_nbhlm = qk_nbhlm * decay_nbhlm                       # intra-chunk attention (causal)
+    t_nbhlm = unit_lower_inverse(a_nbhlm)                  # UT transform (I + A)^-1
 
-    u_bhnlv = jnp.einsum("bhnlm,bhnmv->bhnlv", t_bhnlm, beta_bhnl[..., None] * v_bhnlv)
-    w_bhnlk = jnp.einsum("bhnlm,bhnmk->bhnlk", t_bhnlm,
-                         (beta_bhnl * jnp.exp(cum_bhnl))[..., None] * k_bhnlk)
-    last_bhn = cum_bhnl[..., -1]
-    kd_bhnlk = k_bhnlk * jnp.exp(last_bhn[..., None] - cum_bhnl)[..., None]   # decayed to chunk end
-    qd_bhnlk = q_bhnlk * jnp.exp(cum_bhnl)[..., None]                          # decayed from chunk start
+    u_nbhlv = jnp.einsum("nbhlm,nbhmv->nbhlv", t_nbhlm, beta_nbhl[..., None] * v_nbhlv)
+    w_nbhlk = jnp.einsum("nbhlm,nbhmk->nbhlk", t_nbhlm,
+                         (beta_nbhl * jnp.exp(cum_nbhl))[..., None] * k_nbhlk)
+    last_nbh = cum_nbhl[..., -1]
+    kd_nbhlk = k_nbhlk * jnp.exp(last_nbh[..., None] - cum_nbhl)[..., None]   # decayed to chunk end
+    qd_nbhlk = q_nbhlk * jnp.exp(cum_nbhl)[..., None]                          # decayed from chunk start
 
     # The state recurrence S_{n+1} = exp(last_n) S_n + kd_n^T (u_n - w_n S_n) = M_n S_n + C_n.
     eye_kk = jnp.eye(dk, dtype=F32)
-    m_bhnkk = (jnp.exp(last_bhn)[..., None, None] * eye_kk
-               - jnp.einsum("bhnlk,bhnlj->bhnkj", kd_bhnlk, w_bhnlk))
-    c_bhnkv = jnp.einsum("bhnlk,bhnlv->bhnkv", kd_bhnlk, u_bhnlv)
+    m_nbhkk = (jnp.exp(last_nbh)[..., None, None] * eye_kk
+               - jnp.einsum("nbhlk,nbhlj->nbhkj", kd_nbhlk, w_nbhlk))
+    c_nbhkv = jnp.einsum("nbhlk,nbhlv->nbhkv", kd_nbhlk, u_nbhlv)
 
     def step(s_bhkv, mc):
         m_bhkk, c_bhkv = mc
         return jnp.einsum("bhkj,bhjv->bhkv", m_bhkk, s_bhkv) + c_bhkv, s_bhkv
 
     state_bhkv = _init_state(initial_state, b, h, dk, dv)
-    state_bhkv, starts_nbhkv = jax.lax.scan(step, state_bhkv, (jnp.moveaxis(m_bhnkk, 2, 0),
-                                                               jnp.moveaxis(c_bhnkv, 2, 0)))
-    starts_bhnkv = jnp.moveaxis(starts_nbhkv, 0, 2)
+    state_bhkv, starts_nbhkv = jax.lax.scan(step, state_bhkv, (m_nbhkk, c_nbhkv))
 
-    # o_n = qd_n S_n + P_n (u_n - w_n S_n) = (qd_n - P_n w_n) S_n + P_n u_n
-    qeff_bhnlk = qd_bhnlk - jnp.einsum("bhnlm,bhnmk->bhnlk", p_bhnlm, w_bhnlk)
-    o_bhnlv = (jnp.einsum("bhnlk,bhnkv->bhnlv", qeff_bhnlk, starts_bhnkv)
-               + jnp.einsum("bhnlm,bhnmv->bhnlv", p_bhnlm, u_bhnlv))
-    o_bthv = jnp.moveaxis(o_bhnlv, 1, 3).reshape(b, n * l, h, dv)[:, :t]
+    # o_n = qd_n S_n + P_n (u_n - w_n S_n) = (qd_n - P_n w_n) S_n + P_n u_n. The barrier keeps
+    # XLA:CPU from fusing the subtraction into the next matmul's operand (a slow loop there).
+    qeff_nbhlk = jax.lax.optimization_barrier(
+        qd_nbhlk - jnp.einsum("nbhlm,nbhmk->nbhlk", p_nbhlm, w_nbhlk))
+    o_nbhlv = (jnp.einsum("nbhlk,nbhkv->nbhlv", qeff_nbhlk, starts_nbhkv)
+               + jnp.einsum("nbhlm,nbhmv->nbhlv", p_nbhlm, u_nbhlv))
+    o_bthv = jnp.transpose(o_nbhlv, (1, 0, 3, 2, 4)).reshape(b, n * l, h, dv)[:, :t]
     return o_bthv.astype(out_dtype), (state_bhkv if output_final_state else None)
 
 
