@@ -5,6 +5,8 @@ agree with each other (chunked vs recurrent) to ~5e-7 at these sizes, so 1e-5 le
 summation-order differences only; a wrong decay, mask or head mapping is O(1).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5Moe
 
 from rm_jax.model import gated_deltanet as gdn
 from rm_jax.model.layers import GatedRMSNorm, ZeroCenteredRMSNorm
+from rm_jax.sharding import logical_to_spec
 
 TOL = 1e-5
 B, G, H, K, V = 2, 2, 4, 16, 24      # value heads share key heads (R = 2); K != V
@@ -180,7 +183,7 @@ def layers():
     return ref, ours
 
 
-@jax.jit(static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0)
 def _apply(graphdef, params, x, valid, state):
     return nnx.merge(graphdef, params)(x, valid_bt=valid, state=state, return_state=True)
 
@@ -277,3 +280,16 @@ def test_layer_gradients_chunked_equal_recurrent(layers):
     for a, b in zip(flat, flat_ref):
         assert np.all(np.isfinite(np.asarray(a)))
         assert rel_err(a, b) < TOL, rel_err(a, b)
+
+
+def test_param_layout_and_logical_axes(layers):
+    """Every HF tensor has one param; every param's logical names are in the rules table."""
+    _, ours = layers
+    params = nnx.state(ours, nnx.Param)
+    paths = {".".join(str(p) for p in path) for path, _ in nnx.to_flat_state(params)}
+    assert paths == set(gdn.HF_PARAMS)
+    for path, var in nnx.to_flat_state(params):
+        names = var.get_metadata()["out_sharding"]
+        assert len(names) == len(var.shape)
+        logical_to_spec(names)                                  # raises on a name not in the table
+    assert logical_to_spec(ours.in_proj_z_dhv.get_metadata()["out_sharding"])[0] == ("fsdp", "expert")
