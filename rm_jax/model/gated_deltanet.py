@@ -21,11 +21,13 @@ Design choices:
 * **Two pure kernels over the same math.** ``recurrent_gated_delta_rule`` is the token-by-token
   rule (decode; the test oracle). ``chunk_gated_delta_rule`` is the chunkwise-parallel (WY/UT)
   form for prefill and training: everything inside a chunk is batched matmuls over all chunks at
-  once; only the [K, V] state is carried sequentially, by a ``lax.scan`` whose body is a single
-  [K, K] @ [K, V] matmul: ``S' = M_n S + C_n`` with ``M_n = exp(g_last) I - kd^T w`` and
-  ``C_n = kd^T u`` precomputed in parallel. Outputs are then read off the per-chunk start states in
-  one batched matmul after the scan (``o = (qd - P w) S_n + P u``): the sequential part is one
-  matmul per chunk where transformers' loop does four.
+  once; only the [K, V] state is carried sequentially, by a ``lax.scan`` doing two [L, K]-sized
+  matmuls per chunk (``v_n = u_n - w_n S_n``, ``S' = exp(g_last) S_n + kd_n^T v_n``). The
+  outputs are read off the emitted start states and ``v_n`` in one batched matmul pair after the
+  scan (``o_n = qd_n S_n + P_n v_n``), where transformers does them inside its loop. (Folding the
+  scan into one ``M_n S_n`` matmul, ``M_n = exp(g_last) I - kd^T w``, halves the sequential
+  matmuls but costs K^2 V per chunk: measured slower forward+backward at K = 64 and much slower
+  at K = 128, Qwen3.5's head size.)
 * **The UT transform ``(I + A)^-1``** (A strictly lower triangular, per chunk) is matmuls only:
   a Neumann product ``(I - A)(I + A^2)(I + A^4)`` on the 8 x 8 diagonal blocks (nilpotent there),
   then block doubling (``X = (I + A_b)^-1`` per b-block gives the 2b-block inverse
@@ -33,9 +35,9 @@ Design choices:
   (a ``custom_vjp``), not the transpose of every round. On CPU this beats a row-sequential
   triangular solve; on GPU/TPU it is MXU/tensor-core work.
 * **Layout** is chunk-major ``[N, B, heads, L, ...]`` inside the kernel, so the scan slices and
-  stacks its leading axis without transposes. Measured on CPU (benchmarks/gdn_vs_hf.py), the
-  elementwise work on the [L, L] intra-chunk tensors (decays, masks) is about half the time, the
-  matmuls most of the rest, the sequential scan under 5%.
+  stacks its leading axis without transposes. On CPU (benchmarks/gdn_vs_hf.py) the elementwise
+  work on the [L, L] intra-chunk tensors (decays, masks) is about half the time, the batched
+  matmuls most of the rest.
 * **State in fp32.** Both kernels compute in fp32 whatever the input dtype (as transformers does)
   and return outputs in the input dtype; the decode state (recurrent and conv) is fp32.
 * **Padding never reaches the state.** A per-token ``valid_bt`` mask sets ``g = 0`` and
@@ -50,15 +52,15 @@ Design choices:
   ``HF_PARAMS`` lists each with its transform, so a checkpoint key table maps 1:1.
   ``in_proj_qkv`` keeps the fused q|k|v channel axis because the depthwise conv runs over it.
 * **Kernel seam.** ``GDN_BACKENDS`` maps a backend name to a function with
-  ``chunk_gated_delta_rule``'s signature; ``GatedDeltaNetConfig.backend`` picks one. Today only
-  ``"xla"`` (this file). For GPU: tokamax (0.0.17) has no linear-attention op and MaxText's
+  ``chunk_gated_delta_rule``'s signature; ``GatedDeltaNetConfig.backend`` picks one. Today
+  ``"xla"`` (the chunked kernel above) and ``"recurrent"`` (the token-by-token oracle). For GPU: tokamax (0.0.17) has no linear-attention op and MaxText's
   Qwen3-Next GDN is plain JAX (an open PR, MaxText #4348, fuses the inter-chunk scan and the
   triangular inversion into Pallas *TPU* kernels). The candidate for our H100/H200 hosts is
   ``jax-linear-attention`` (PyPI, jla-org): Pallas Mosaic GPU forward+backward kernels for Gated
   DeltaNet with grouped heads and initial/final state, Hopper sm_90a only, pinned to JAX 0.11.2.
   Otherwise a Pallas-Triton port of flash-linear-attention's ``chunk_gated_delta_rule`` (the
-  Triton kernels transformers dispatches to). Either registers here under a new name; the mask
-  semantics (g = beta = 0 at pads) are applied before the call, so a kernel needs none of its own.
+  Triton kernels transformers dispatches to). Either registers here under a new name; the layer
+  zeroes g and beta at pads before the call, so a kernel needs no mask of its own.
 """
 
 from __future__ import annotations
@@ -254,25 +256,22 @@ def chunk_gated_delta_rule(q_btgk, k_btgk, v_bthv, g_bth, beta_bth, *, chunk_siz
     kd_nbhlk = k_nbhlk * jnp.exp(last_nbh[..., None] - cum_nbhl)[..., None]   # decayed to chunk end
     qd_nbhlk = q_nbhlk * jnp.exp(cum_nbhl)[..., None]                          # decayed from chunk start
 
-    # The state recurrence S_{n+1} = exp(last_n) S_n + kd_n^T (u_n - w_n S_n) = M_n S_n + C_n.
-    eye_kk = jnp.eye(dk, dtype=F32)
-    m_nbhkk = (jnp.exp(last_nbh)[..., None, None] * eye_kk
-               - jnp.einsum("nbhlk,nbhlj->nbhkj", kd_nbhlk, w_nbhlk))
-    c_nbhkv = jnp.einsum("nbhlk,nbhlv->nbhkv", kd_nbhlk, u_nbhlv)
-
-    def step(s_bhkv, mc):
-        m_bhkk, c_bhkv = mc
-        return jnp.einsum("bhkj,bhjv->bhkv", m_bhkk, s_bhkv) + c_bhkv, s_bhkv
-
     state_bhkv = _init_state(initial_state, b, h, dk, dv)
-    state_bhkv, starts_nbhkv = jax.lax.scan(step, state_bhkv, (m_nbhkk, c_nbhkv))
+    # The sequential part: S_{n+1} = exp(last_n) S_n + kd_n^T v_n with the delta-corrected values
+    # v_n = u_n - w_n S_n. The scan emits each chunk's start state and v_n; outputs are one batched
+    # matmul pair after it: o_n = qd_n S_n + P_n v_n.
+    decay_nbh = jnp.exp(last_nbh)
 
-    # o_n = qd_n S_n + P_n (u_n - w_n S_n) = (qd_n - P_n w_n) S_n + P_n u_n. The barrier keeps
-    # XLA:CPU from fusing the subtraction into the next matmul's operand (a slow loop there).
-    qeff_nbhlk = jax.lax.optimization_barrier(
-        qd_nbhlk - jnp.einsum("nbhlm,nbhmk->nbhlk", p_nbhlm, w_nbhlk))
-    o_nbhlv = (jnp.einsum("nbhlk,nbhkv->nbhlv", qeff_nbhlk, starts_nbhkv)
-               + jnp.einsum("nbhlm,nbhmv->nbhlv", p_nbhlm, u_nbhlv))
+    def step(s_bhkv, xs):
+        u_bhlv, w_bhlk, kd_bhlk, decay_bh = xs
+        vnew_bhlv = u_bhlv - jnp.einsum("bhlk,bhkv->bhlv", w_bhlk, s_bhkv)
+        s_next = decay_bh[..., None, None] * s_bhkv + jnp.einsum("bhlk,bhlv->bhkv", kd_bhlk, vnew_bhlv)
+        return s_next, (s_bhkv, vnew_bhlv)
+
+    state_bhkv, (starts_nbhkv, vnew_nbhlv) = jax.lax.scan(
+        step, state_bhkv, (u_nbhlv, w_nbhlk, kd_nbhlk, decay_nbh))
+    o_nbhlv = (jnp.einsum("nbhlk,nbhkv->nbhlv", qd_nbhlk, starts_nbhkv)
+               + jnp.einsum("nbhlm,nbhmv->nbhlv", p_nbhlm, vnew_nbhlv))
     o_bthv = jnp.transpose(o_nbhlv, (1, 0, 3, 2, 4)).reshape(b, n * l, h, dv)[:, :t]
     return o_bthv.astype(out_dtype), (state_bhkv if output_final_state else None)
 
@@ -464,10 +463,12 @@ class GatedDeltaNet(nnx.Module):
             state = GatedDeltaNetState.zeros(cfg, b)
         conv_btc, xh_btc = causal_conv(qkv_btc, state.conv_bwc, self.conv1d_wc[...])
         q_btgk, k_btgk, v_bthv = self._split(conv_btc)
+        if valid_bt is not None:  # pads: no decay, no write (done here, so backends need no mask)
+            valid_bt1 = valid_bt.astype(bool)[:, :, None]
+            g_bth, beta_bth = jnp.where(valid_bt1, g_bth, 0.0), jnp.where(valid_bt1, beta_bth, 0.0)
         core_bthv, rec_bhkv = GDN_BACKENDS[cfg.backend](
             q_btgk, k_btgk, v_bthv, g_bth, beta_bth, chunk_size=cfg.chunk_size,
-            initial_state=state.recurrent_bhkv, output_final_state=return_state, use_qk_l2norm=True,
-            valid_bt=valid_bt)
+            initial_state=state.recurrent_bhkv, output_final_state=return_state, use_qk_l2norm=True)
         y_btd = self._output(core_bthv, z_bthv)
         if not return_state:
             return y_btd
