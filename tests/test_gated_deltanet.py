@@ -295,3 +295,30 @@ def test_param_layout_and_logical_axes(layers):
         assert len(names) == len(var.shape)
         logical_to_spec(names)                                  # raises on a name not in the table
     assert logical_to_spec(ours.in_proj_z_dhv.get_metadata()["out_sharding"])[0] == ("fsdp", "expert")
+
+
+@pytest.mark.slow
+def test_layer_sharded_equals_unsharded(layers, devices8):
+    """Params placed by their logical names on (data=2, fsdp=4), activations constrained inside:
+    the forward and its state equal the single-device run."""
+    from jax.sharding import NamedSharding
+    from rm_jax.sharding import MeshShape, make_mesh
+
+    _, ours = layers
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((4, 200, D)).astype(np.float32)
+    valid = np.arange(200)[None, :] < np.array([[200], [150], [77], [200]])
+    y_ref, st_ref = _forward(ours, x, valid)
+
+    mesh = make_mesh(MeshShape(data=2, fsdp=4), devices=devices8)
+    graphdef, params = nnx.split(ours)
+    placed = jax.tree.map(
+        lambda v: jax.device_put(v[...], NamedSharding(mesh, logical_to_spec(v.get_metadata()["out_sharding"]))),
+        params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    assert placed["in_proj_qkv_dc"].sharding.spec[0] == ("fsdp", "expert")   # D=40 splits 4 ways
+    with jax.set_mesh(mesh):
+        state0 = gdn.GatedDeltaNetState.zeros(ours.cfg, 4)
+        y, st = _apply(graphdef, placed, jnp.asarray(x), jnp.asarray(valid), state0)
+    assert rel_err(y, y_ref) < TOL
+    assert rel_err(st.recurrent_bhkv, st_ref.recurrent_bhkv) < TOL
+    assert rel_err(st.conv_bwc, st_ref.conv_bwc) < TOL
