@@ -5,6 +5,7 @@ agree with each other (chunked vs recurrent) to ~5e-7 at these sizes, so 1e-5 le
 summation-order differences only; a wrong decay, mask or head mapping is O(1).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -105,7 +106,7 @@ def test_pads_are_identity_on_the_state(fn):
 def test_unit_lower_inverse():
     rng = np.random.default_rng(5)
     a = np.tril(rng.standard_normal((3, 64, 64)), -1).astype(np.float32) * 0.1
-    inv = np.asarray(gdn.unit_lower_inverse(jnp.asarray(a)))
+    inv = np.asarray(jax.jit(gdn.unit_lower_inverse)(jnp.asarray(a)))
     ref = np.linalg.inv(np.eye(64) + a.astype(np.float64))
     assert rel_err(inv, ref) < TOL
 
@@ -261,6 +262,8 @@ def test_prefill_continuation_and_decode_equal_full_forward(layers):
 
 @pytest.mark.slow
 def test_layer_gradients_chunked_equal_recurrent(layers):
+    """Parameter gradients of the whole layer (right-padded batch) through the chunked kernel
+    equal those through the token-by-token rule."""
     _, ours = layers
     rng = np.random.default_rng(12)
     x = jnp.asarray(rng.standard_normal((B, 130, D)), jnp.float32)
@@ -269,10 +272,9 @@ def test_layer_gradients_chunked_equal_recurrent(layers):
     graphdef, params = nnx.split(ours)
 
     def grads(backend):
-        gd_backend = graphdef
         def loss(p):
-            layer = nnx.merge(gd_backend, p)
-            layer.cfg = gdn.dataclasses.replace(layer.cfg, backend=backend)
+            layer = nnx.merge(graphdef, p)
+            layer.cfg = dataclasses.replace(layer.cfg, backend=backend)   # same params, other kernel
             return jnp.sum(layer(x, valid_bt=valid) * w * valid[..., None])
         return jax.jit(jax.grad(loss))(params)
 
