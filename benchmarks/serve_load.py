@@ -1,6 +1,6 @@
 """Reward server under load: 64 concurrent loopback clients vs in-process batched scoring.
 
-    python -m benchmarks.serve_load [--clients=64 --seconds=30 --warmup_seconds=15 --max_batch=32 --n=96]
+    python -m benchmarks.serve_load [--clients=64 --seconds=30 --warmup_seconds=90 --max_batch=32 --n=96]
 
 The tiny judge (configs/tiny.py, random weights, the synthetic tokenizer) is served by the real
 app (``rm_jax.serve.app``) under uvicorn on 127.0.0.1 in this process; ``--clients`` asyncio
@@ -29,7 +29,7 @@ from absl import app, flags
 
 flags.DEFINE_integer("clients", 64, "concurrent clients")
 flags.DEFINE_float("seconds", 30.0, "timed load phase")
-flags.DEFINE_float("warmup_seconds", 15.0, "untimed load phase first (compiles every shape the mix needs)")
+flags.DEFINE_float("warmup_seconds", 90.0, "untimed load phase first (compiles every shape the mix needs)")
 flags.DEFINE_integer("max_batch", 32, "server batch = in-process batch")
 flags.DEFINE_float("max_wait_ms", 10.0, "server batching window")
 flags.DEFINE_integer("n", 96, "sample pool")
@@ -84,7 +84,10 @@ async def _load(url: str, pool: list[dict], clients: int, seconds: float, seed: 
 def main(argv):
     del argv
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import logging as py_logging
+
     import uvicorn
+    py_logging.getLogger("httpx").setLevel(py_logging.WARNING)     # one INFO line per request otherwise
 
     from configs.tiny import get_config
     from rm_jax.data import synth
@@ -110,15 +113,15 @@ def main(argv):
         pool = [json.loads(line) for line in fh][:f.n]
     parsed = [s for s in read_samples(os.path.join(data, "samples.jsonl")) if isinstance(s, Sample)][:f.n]
 
-    # In-process: the same scorer over the whole pool, warmed up (every bucket compiled) first.
+    # In-process: the same scorer over the whole pool, warmed up (every bucket compiled) first;
+    # timed before and after the load phase (a shared CPU's load drifts), the mean is the baseline.
     engine.scorer.score(parsed)
-    times = []
-    for _ in range(2):
+
+    def in_process() -> float:
         t0 = time.perf_counter()
         engine.scorer.score(parsed)
-        times.append(time.perf_counter() - t0)
-    inproc = len(parsed) / min(times)
-    print(f"in-process  {len(parsed)} samples, batch {f.max_batch}: {inproc:8.1f} samples/s")
+        return len(parsed) / (time.perf_counter() - t0)
+    before = in_process()
 
     settings = ServeSettings(max_batch=f.max_batch, max_wait_ms=f.max_wait_ms, max_queue=4096, image_root=data)
     asgi, fastapi_app = create_app(engine, settings)
@@ -139,6 +142,10 @@ def main(argv):
     sum1 = reg.get_sample_value("rm_jax_batch_size_sum", {"kind": "score_full"}) or 0.0
     server.should_exit = True
     thread.join(60)
+    after = in_process()
+    inproc = (before + after) / 2
+    print(f"in-process  {len(parsed)} samples, batch {f.max_batch}: {inproc:8.1f} samples/s "
+          f"(before the load {before:.1f}, after {after:.1f})")
 
     served = got["samples"] / got["wall"]
     p50, p99 = _percentile(got["latencies"], 0.5), _percentile(got["latencies"], 0.99)

@@ -366,9 +366,11 @@ def test_clients_verl_trl_openrlhf(server, http, raw_samples):
 
 def test_sigterm_drains_requests_in_flight_then_exits(server, http, raw_samples):
     """Last: it ends the module's server."""
+    # p_pass of samples in no group: a device call not compiled yet, so it is surely in flight
     samples = [raw_samples[f"p{k}-s0"] for k in (11, 12, 13, 14)]
     result = {}
-    t = threading.Thread(target=lambda: result.update(r=http.post("/v1/score", json={"samples": samples})))
+    t = threading.Thread(target=lambda: result.update(r=http.post("/v1/score", json={"samples": samples,
+                                                                                    "mode": "p_pass"})))
     t.start()
     _poll_queue(server, len(samples))
     server.proc.send_signal(signal.SIGTERM)
