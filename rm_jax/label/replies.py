@@ -1,0 +1,50 @@
+"""Teacher replies -> typed values. The verdict goes through the training target's tolerant
+parser (strict JSON, code fences, the first balanced object, an unclosed object, the l3 slot),
+so a teacher's reply is read exactly as a judge's output is."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+from rm_jax.data import target as target_lib
+from rm_jax.label.client import UnusableReply
+
+
+@dataclasses.dataclass(frozen=True)
+class VerdictReply:
+    l3: str
+    reason: str
+    issues: tuple[str, ...]
+    img: int | None          # what the verdict teacher wrote (used only without an image head)
+    status: str              # target.parse_output's "ok" | "recovered"
+
+
+def parse_verdict(text: str) -> VerdictReply:
+    got = target_lib.parse_output(text)
+    if got.l3 is None:
+        raise UnusableReply(f"no verdict in the reply: {text[:120]!r}")
+    return VerdictReply(got.l3, got.reason or "", got.issues, got.img, got.status)
+
+
+def _score(value) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value) if value == int(value) and 0 <= value <= 10 else None
+
+
+def parse_image_score(text: str) -> int:
+    """The 0-10 consistency score: a JSON object's "img", else an `"img": N` anywhere."""
+    start = text.find("{")
+    if start >= 0:
+        try:
+            obj, _ = json.JSONDecoder().raw_decode(text[start:])
+            if isinstance(obj, dict) and _score(obj.get("img")) is not None:
+                return _score(obj["img"])
+        except json.JSONDecodeError:
+            pass
+    m = re.search(r'"img"\s*:\s*(\d+(?:\.0)?)\b', text)
+    if m and _score(float(m.group(1))) is not None:
+        return int(float(m.group(1)))
+    raise UnusableReply(f"no 0-10 img score in the reply: {text[:120]!r}")
