@@ -15,6 +15,9 @@ definition as a static argument and the params as arrays, like the train step):
   in ONE jitted call (no host round trip per token), bounded by ``spec.max_new_tokens`` and
   leaving the loop early once every row has emitted EOS (or read its verdict slot, with
   ``stop_at_slot``).
+* ``sample_text(inputs, spec, temperature_b, budget_b, seed) -> TextGeneration``: plain
+  free-text generation for the chat endpoint (greedy at temperature 0, else sampling), with each
+  chosen token's log-probability and the top-k alternatives, in one jitted call as well.
 
 Design choices:
 
@@ -384,6 +387,70 @@ def _decode_loop(model: Qwen3VLMoeJudge, logits_bv: jax.Array, cache: KVCache, t
                       slot_step_b=g.slot_step_b, logit_pass_b=g.lp_b, logit_fail_b=g.lf_b, logsumexp_b=g.lse_b)
 
 
+@dataclasses.dataclass(frozen=True)
+class TextSpec:
+    """Static parameters of free-text generation (part of the jit cache key: keep few values)."""
+    max_new_tokens: int               # the static budget; rows stop earlier at their own budget_b
+    stop_ids: tuple[int, ...]         # EOS-like tokens (end of turn, end of text)
+    pad_id: int
+    top_k: int = 20                   # alternatives recorded per step (OpenAI allows up to 20)
+
+
+@flax.struct.dataclass
+class TextGeneration:
+    tokens_bn: jax.Array              # generated ids (stop token included), pad after
+    n_tokens_b: jax.Array             # tokens generated per row (stop token included)
+    finished_b: jax.Array             # a stop token was emitted within the row's budget
+    logprob_bn: jax.Array             # log P(chosen token) under the model (temperature 1)
+    top_ids_bnk: jax.Array            # the top_k most likely tokens at each step
+    top_logprob_bnk: jax.Array
+
+
+def sample_text_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, temperature_b: jax.Array, budget_b: jax.Array,
+                   live_b: jax.Array, key: jax.Array, spec: TextSpec) -> TextGeneration:
+    """Prefill, then one token per step: argmax where ``temperature_b == 0``, else a sample of
+    softmax(logits / T). Log-probabilities are the model's own distribution (T = 1), as OpenAI-
+    compatible servers report them, so they do not change with the sampling temperature."""
+    logits_bv, cache = prefill_fn(model, inputs, inputs.input_ids_bt.shape[1] + spec.max_new_tokens)
+    b, n, k = logits_bv.shape[0], spec.max_new_tokens, spec.top_k
+    stop_s = jnp.asarray(spec.stop_ids, jnp.int32)
+    temp_b = jnp.asarray(temperature_b, jnp.float32)
+    budget_b = jnp.minimum(jnp.asarray(budget_b, jnp.int32), n)
+    init = dict(step=jnp.zeros((), jnp.int32), tokens_bn=jnp.full((b, n), spec.pad_id, jnp.int32),
+                n_b=jnp.zeros((b,), jnp.int32), done_b=~jnp.asarray(live_b, bool) | (budget_b <= 0),
+                finished_b=jnp.zeros((b,), bool), logprob_bn=jnp.zeros((b, n), jnp.float32),
+                top_ids_bnk=jnp.zeros((b, n, k), jnp.int32), top_logprob_bnk=jnp.zeros((b, n, k), jnp.float32),
+                key=key)
+
+    def cond(carry):
+        g, _, _ = carry
+        return (g["step"] < n) & jnp.any(~g["done_b"])
+
+    def body(carry):
+        g, logits_bv, cache = carry
+        logp_bv = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
+        key, sub = jax.random.split(g["key"])
+        sampled_b = jax.random.categorical(sub, logits_bv / jnp.maximum(temp_b, 1e-6)[:, None], axis=-1)
+        tok_b = jnp.where(temp_b > 0, sampled_b, jnp.argmax(logits_bv, axis=-1)).astype(jnp.int32)
+        tok_b = jnp.where(g["done_b"], spec.pad_id, tok_b)
+        top_lp_bk, top_ids_bk = jax.lax.top_k(logp_bv, k)
+        chosen_b = jnp.take_along_axis(logp_bv, tok_b[:, None], axis=1)[:, 0]
+        at = lambda buf, val: jax.lax.dynamic_update_slice_in_dim(buf, val[:, None], g["step"], axis=1)
+        is_stop_b = jnp.any(tok_b[:, None] == stop_s[None], axis=1) & ~g["done_b"]
+        n_b = g["n_b"] + (~g["done_b"]).astype(jnp.int32)
+        g = dict(step=g["step"] + 1, tokens_bn=at(g["tokens_bn"], tok_b), n_b=n_b,
+                 done_b=g["done_b"] | is_stop_b | (n_b >= budget_b), finished_b=g["finished_b"] | is_stop_b,
+                 logprob_bn=at(g["logprob_bn"], chosen_b), top_ids_bnk=at(g["top_ids_bnk"], top_ids_bk),
+                 top_logprob_bnk=at(g["top_logprob_bnk"], top_lp_bk), key=key)
+        logits_bv, cache = step_fn(model, cache, tok_b)
+        return g, logits_bv, cache
+
+    g, _, _ = jax.lax.while_loop(cond, body, (init, logits_bv, cache))
+    return TextGeneration(tokens_bn=g["tokens_bn"], n_tokens_b=g["n_b"], finished_b=g["finished_b"],
+                          logprob_bn=g["logprob_bn"], top_ids_bnk=g["top_ids_bnk"],
+                          top_logprob_bnk=g["top_logprob_bnk"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Jitted entry points
 # ---------------------------------------------------------------------------------------------
@@ -420,6 +487,11 @@ def _jit_generate(graph: StaticGraph, state, inputs, table_sv, match0_b, force_b
                   spec):
     return generate_fn(graph.merge(state), inputs, table_sv, match0_b, force_bf, force_len_b, live_b,
                        stop_at_slot, spec)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 7))
+def _jit_sample_text(graph: StaticGraph, state, inputs, temperature_b, budget_b, live_b, key, spec):
+    return sample_text_fn(graph.merge(state), inputs, temperature_b, budget_b, live_b, key, spec)
 
 
 class Decoder:
@@ -476,6 +548,15 @@ class Decoder:
         args = tuple(np.asarray(a, np.int32) for a in (rows_b, tokens_bn, n_b)) + (
             table_sv, np.asarray(match0_b, np.int32), force_bf, force_len_b, live_b)
         return self._run(lambda gd, st, c, *a: _jit_generate_shared(gd, st, c, *a, spec), cache, *args)
+
+    def sample_text(self, inputs: JudgeInputs, spec: TextSpec, temperature_b, budget_b, seed: int = 0,
+                    live_b=None) -> TextGeneration:
+        """Free-text generation (chat): per-row temperature (0 = greedy) and token budget."""
+        b = np.asarray(inputs.input_ids_bt).shape[0]
+        live_b = np.ones((b,), bool) if live_b is None else np.asarray(live_b, bool)
+        args = (inputs, np.asarray(temperature_b, np.float32), np.asarray(budget_b, np.int32), live_b,
+                jax.random.key(int(seed)))
+        return self._run(lambda gd, st, *a: _jit_sample_text(gd, st, *a, spec), *args)
 
     @staticmethod
     def _loop_args(b: int, spec: DecodeSpec, force_bf, force_len_b, live_b):

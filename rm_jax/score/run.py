@@ -14,7 +14,7 @@ from rm_jax.data.schema import Reject, read_samples, render_error
 from rm_jax.score.reward import RewardSettings, compute_reward
 
 
-def _renderer_for(workdir: str, tokenizer: str):
+def renderer_for(workdir: str, tokenizer: str):
     from rm_jax.data.render import Renderer
     from rm_jax.score.checkpoints import read_run_config, run_data_dir
     cfg = read_run_config(workdir)
@@ -37,7 +37,7 @@ def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None
 
     if not os.path.isfile(input_path):      # before the checkpoint loads, not after
         raise FileNotFoundError(f"--input={input_path}: no such file (a samples JSONL, DESIGN §4)")
-    cfg, renderer = _renderer_for(workdir, tokenizer)
+    cfg, renderer = renderer_for(workdir, tokenizer)
     model, _, used_step = load_judge(workdir, step)
     rows: list[dict | None] = []
     good = []
@@ -61,20 +61,40 @@ def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None
         for row in rows:
             if row is None:
                 sample, r = next(results)
-                if r.error is not None or not r.slot_found:
-                    # Over the largest bucket (the scorer's own check), or a reason-first judge
-                    # that never wrote the verdict slot: no P(pass), so no reward either.
-                    row = {"id": sample.id, "line": sample.line,
-                           "error": r.error or "no_verdict_slot: the judge's output has no \"l3\" value"}
-                else:
-                    rw = compute_reward(sample, r.p_pass, list(r.issues), r.img, *reward)
-                    row = {"id": sample.id, "p_pass": r.p_pass, "verdict": r.verdict, "reason": r.reason,
-                           "issues": list(r.issues), "img": r.img, "parse_ok": r.parse_ok,
-                           "off_vocab_mass": r.off_vocab_mass, "rule_score": rw.rule_score,
-                           "components": rw.components, "reward": rw.reward}
+                row = result_row(sample, r, reward)
+                if "error" in row:
+                    row = {"id": row["id"], "line": sample.line, "error": row["error"]}
             if "error" in row:
                 n_err += 1
             else:
                 n_scored += 1
             f.write(json.dumps(row, ensure_ascii=False, default=float) + "\n")
     return {"scored": n_scored, "errors": n_err, "step": used_step, "out": out_path}
+
+
+def result_row(sample, r, reward: RewardSettings = RewardSettings()) -> dict:
+    """One ``launch.score`` row for a scored sample (a ``JudgeResult``): the verdict, the rule
+    checks and the reward; ``{id, error}`` when it has no P(pass). ``launch.score`` and the
+    server's ``/v1/score`` both write rows through here, so they cannot drift apart."""
+    if r.error is not None or not r.slot_found:
+        # Over the largest bucket (the scorer's own check), or a reason-first judge that never
+        # wrote the verdict slot: no P(pass), so no reward either.
+        return {"id": sample.id, "error": r.error or "no_verdict_slot: the judge's output has no \"l3\" value"}
+    rw = compute_reward(sample, r.p_pass, list(r.issues), r.img, *reward)
+    return {"id": sample.id, "p_pass": r.p_pass, "verdict": r.verdict, "reason": r.reason,
+            "issues": list(r.issues), "img": r.img, "parse_ok": r.parse_ok,
+            "off_vocab_mass": r.off_vocab_mass, "rule_score": rw.rule_score,
+            "components": rw.components, "reward": rw.reward}
+
+
+def p_pass_row(sample, v, reward: RewardSettings = RewardSettings()) -> dict:
+    """A row from P(pass) alone (a ``VerdictScore``, no decoding): the verdict is the slot's argmax,
+    reason/issues/img are not read, and the reward is the rule part plus the P(pass) term only
+    (``components["judge_terms"] == "p_pass_only"`` says so)."""
+    if v.error is not None or not v.slot_found:
+        return {"id": sample.id, "error": v.error or "no_verdict_slot: the judge's output has no \"l3\" value"}
+    rw = compute_reward(sample, v.p_pass, 0, None, *reward)
+    return {"id": sample.id, "p_pass": v.p_pass, "verdict": "pass" if v.logit_pass >= v.logit_fail else "fail",
+            "reason": None, "issues": [], "img": None, "parse_ok": None, "off_vocab_mass": v.off_vocab_mass,
+            "rule_score": rw.rule_score, "components": {**rw.components, "judge_terms": "p_pass_only"},
+            "reward": rw.reward}

@@ -1,0 +1,87 @@
+"""Serve a trained judge over HTTP for RL: scoring, OpenRLHF's get_reward, OpenAI chat.
+
+  python -m launch.serve --workdir=W [--step=N] [--host=127.0.0.1] [--port=8000] [--max_batch=32]
+                         [--max_wait_ms=10] [--max_queue=1024] [--image_root=DIR] [--api_key_file=F]
+
+Endpoints (DESIGN §4): GET /healthz, POST /v1/score, POST /get_reward, POST /v1/chat/completions,
+GET /v1/models, GET /metrics. Without --step the sweep's chosen step is used (else the latest).
+It binds loopback by default; any other --host needs --api_key_file (clients then send
+"Authorization: Bearer <key>"). SIGTERM stops accepting connections, answers the requests in
+flight, then exits.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+
+from absl import app, flags, logging
+
+from launch.common import define_reward_flags, quiet_library_info
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "training workdir", required=True)
+_STEP = flags.DEFINE_integer("step", None, "checkpoint step (default: the sweep's choice, else latest)")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "bind address; non-loopback needs --api_key_file")
+_PORT = flags.DEFINE_integer("port", 8000, "bind port")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", 32, "samples per device batch (the scorer's batch size)")
+_MAX_WAIT = flags.DEFINE_float("max_wait_ms", 10.0, "how long a batch waits for more requests after its first")
+_MAX_QUEUE = flags.DEFINE_integer("max_queue", 1024, "samples admitted and not yet answered; beyond: 503")
+_IMAGE_ROOT = flags.DEFINE_string("image_root", None, "folder that image paths in requests are relative to")
+_API_KEY_FILE = flags.DEFINE_string("api_key_file", None, "file holding the bearer token clients must send")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "", "tokenizer dir (default: the one the training data used)")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "decoding budget after the verdict (as launch.score)")
+_MAX_BODY = flags.DEFINE_integer("max_body_mb", 64, "largest request body in MiB; beyond: 413")
+_REWARD = define_reward_flags()
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_api_key(path: str | None) -> str | None:
+    if path is None:
+        return None
+    with open(path) as f:
+        key = f.read().strip()
+    if not key:
+        raise ValueError(f"--api_key_file={path} is empty")
+    return key
+
+
+def main(argv):
+    del argv
+    host = _HOST.value
+    if not is_loopback(host) and not _API_KEY_FILE.value:
+        sys.exit(f"refusing to serve on --host={host} without --api_key_file: a non-loopback address is reachable "
+                 f"from other machines, and the judge would answer anyone. Pass --api_key_file=F (a bearer token) "
+                 f"or bind 127.0.0.1.")
+    api_key = read_api_key(_API_KEY_FILE.value)
+    if _IMAGE_ROOT.value and not os.path.isdir(_IMAGE_ROOT.value):
+        sys.exit(f"--image_root={_IMAGE_ROOT.value}: no such directory")
+    quiet_library_info()
+    import uvicorn
+
+    from rm_jax.serve.app import ServeSettings, create_app
+    from rm_jax.serve.engine import Engine
+
+    engine = Engine.load(_WORKDIR.value, _STEP.value, max_batch=_MAX_BATCH.value, max_new_tokens=_MAX_NEW.value,
+                         tokenizer=_TOKENIZER.value, reward=_REWARD())
+    settings = ServeSettings(max_batch=_MAX_BATCH.value, max_wait_ms=_MAX_WAIT.value, max_queue=_MAX_QUEUE.value,
+                             image_root=_IMAGE_ROOT.value, api_key=api_key, max_body_bytes=_MAX_BODY.value << 20)
+    asgi, _ = create_app(engine, settings)
+    logging.info("serving %s (step %d, %s) on http://%s:%d%s", engine.model_id, engine.step, engine.model_type, host,
+                 _PORT.value, " with a bearer key" if api_key else "")
+    # uvicorn handles SIGTERM/SIGINT: stop accepting, wait for in-flight requests, run the
+    # lifespan shutdown (which drains the device worker), exit 0.
+    uvicorn.run(asgi, host=host, port=_PORT.value, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=None)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,261 @@
+"""The FastAPI app: routes of DESIGN §4 over one ``Engine`` and its ``Batcher``.
+
+* ``GET /healthz``, ``GET /v1/models``, ``POST /v1/chat/completions`` (OpenAI-compatible),
+  ``POST /v1/score`` (launch.score rows), ``POST /get_reward`` (OpenRLHF), ``GET /metrics``.
+* **Bad input is the client's**: a body that does not parse or match the request model gets 422
+  with the failing field (FastAPI's validation), an oversized body 413, a chat prompt the model
+  cannot take 400; a bad *sample* inside a valid request is that sample's ``{id, error}`` row (and
+  on ``/get_reward`` the gate reward), never a failed request.
+* **Guard middleware** (plain ASGI, outermost): the bearer key (every route but ``/healthz``,
+  which load balancers probe without credentials), the body-size limit, and the request metrics
+  -- so refused requests are counted too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import math
+import time
+import uuid
+
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from rm_jax.serve import api
+from rm_jax.serve.batcher import Batcher, JobTooLarge, QueueFull, ShuttingDown
+from rm_jax.serve.engine import KIND_CHAT, KIND_FULL, KIND_P_PASS, ChatInputError
+from rm_jax.serve.inputs import BadSample, parse_request_sample
+from rm_jax.serve.metrics import ServerMetrics
+from rm_jax.serve.toolcalls import parse_raw_response
+
+ROUTES = ("/healthz", "/v1/models", "/v1/chat/completions", "/v1/score", "/get_reward", "/metrics")
+OPEN_ROUTES = ("/healthz",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeSettings:
+    max_batch: int = 32
+    max_wait_ms: float = 10.0
+    max_queue: int = 1024
+    image_root: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = 64 << 20
+
+
+class _Guard:
+    """Auth, body limit and metrics around the whole app (see the module docstring)."""
+
+    def __init__(self, app, settings: ServeSettings, metrics: ServerMetrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in ROUTES else "other"
+        start, status = time.perf_counter(), [500]
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._authorize(scope, path)
+            if refusal is None:
+                body, refusal = await self._read_body(scope, receive)
+            if refusal is not None:
+                await refusal(scope, receive, send_counted)
+                return
+            replayed = False
+
+            async def replay():
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()          # afterwards: disconnect notices, as usual
+            await self.app(scope, replay, send_counted)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status[0])).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+    def _authorize(self, scope, path):
+        key = self.settings.api_key
+        if key is None or path in OPEN_ROUTES:
+            return None
+        headers = dict(scope.get("headers") or [])
+        got = headers.get(b"authorization", b"").decode("latin-1")
+        if hmac.compare_digest(got.encode(), f"Bearer {key}".encode()):
+            return None
+        return JSONResponse({"detail": "missing or wrong bearer token (Authorization: Bearer <key>)"}, status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+
+    async def _read_body(self, scope, receive):
+        limit = self.settings.max_body_bytes
+        too_large = JSONResponse({"detail": f"request body over the limit of {limit} bytes"}, status_code=413)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return b"", too_large
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return b"", too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks), None
+
+
+def _finite(x, default: float = 0.0) -> float:
+    return float(x) if x is not None and isinstance(x, (int, float)) and math.isfinite(x) else default
+
+
+def create_app(engine, settings: ServeSettings) -> FastAPI:
+    """``engine``: an ``rm_jax.serve.engine.Engine`` (loaded; its device calls run on the worker)."""
+    metrics = ServerMetrics.create()
+    batcher = Batcher(engine.run_batch, max_batch=settings.max_batch, max_wait_s=settings.max_wait_ms / 1000.0,
+                      max_queue=settings.max_queue, batch_limits={KIND_CHAT: min(settings.max_batch, 8)},
+                      on_batch=lambda kind, n: metrics.batch_size.labels(kind).observe(n),
+                      on_depth=metrics.queue_depth.set)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        batcher.start()
+        try:
+            yield
+        finally:
+            # uvicorn has already waited for the requests in flight (SIGTERM); finish what the
+            # worker still holds, off the event loop.
+            await asyncio.to_thread(batcher.stop)
+
+    app = FastAPI(title="rm_jax judge", lifespan=lifespan)
+    app.state.engine, app.state.batcher, app.state.metrics = engine, batcher, metrics
+    created = int(time.time())
+
+    async def submit(kind: str, payload, size: int):
+        try:
+            return await batcher.submit(kind, payload, size)
+        except QueueFull as e:
+            raise HTTPException(503, str(e), headers={"Retry-After": str(e.retry_after_s)}) from None
+        except ShuttingDown as e:
+            raise HTTPException(503, str(e), headers={"Retry-After": "5"}) from None
+        except JobTooLarge as e:
+            raise HTTPException(413, str(e)) from None
+
+    @app.get("/healthz", response_model=api.Health)
+    async def healthz():
+        return api.Health(status="ok", step=engine.step, model_type=engine.model_type, queue=batcher.depth)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=api.ModelList)
+    async def models():
+        return api.ModelList(data=[api.ModelCard(id=engine.model_id, created=created)])
+
+    @app.post("/v1/chat/completions", response_model=api.ChatCompletion)
+    async def chat(req: api.ChatRequest):
+        if req.model != engine.model_id:
+            return JSONResponse({"error": {"message": f"model {req.model!r} is not served here; GET /v1/models "
+                                                      f"lists {engine.model_id!r}", "type": "invalid_request_error",
+                                           "code": "model_not_found"}}, status_code=404)
+        messages = [m.model_dump() for m in req.messages]
+        try:
+            prompt = await asyncio.to_thread(
+                engine.prepare_chat, messages, temperature=req.temperature,
+                max_tokens=req.max_completion_tokens or req.max_tokens,
+                top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0, seed=req.seed)
+        except ChatInputError as e:
+            return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error", "code": None}},
+                                status_code=400)
+        out = await submit(KIND_CHAT, prompt, 1)
+        logprobs = None
+        if req.logprobs:
+            def entry(tid: int, lp: float) -> dict:
+                text = engine.token_text(tid)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            logprobs = api.ChoiceLogprobs(content=[
+                api.TokenLogprob(**entry(t, lp), top_logprobs=[api.TopLogprob(**entry(i, l)) for i, l in alts])
+                for t, lp, alts in zip(out.token_ids, out.logprobs, out.top)])
+        n_out = len(out.token_ids)
+        return api.ChatCompletion(
+            id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=engine.model_id,
+            choices=[api.Choice(index=0, message=api.AssistantMessage(content=out.text),
+                                finish_reason=out.finish_reason, logprobs=logprobs)],
+            usage=api.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=n_out,
+                            total_tokens=out.prompt_tokens + n_out))
+
+    async def score_samples(objs: list, mode: str) -> list[dict]:
+        parsed = [parse_request_sample(o, i, settings.image_root) for i, o in enumerate(objs)]
+        good = [s for s in parsed if not isinstance(s, BadSample)]
+        rows = iter(await submit(KIND_FULL if mode == "full" else KIND_P_PASS, good, len(good)) if good else [])
+        return [p.row() if isinstance(p, BadSample) else next(rows) for p in parsed]
+
+    @app.post("/v1/score", response_model=api.ScoreResponse)
+    async def score(req: api.ScoreRequest):
+        return api.ScoreResponse(results=await score_samples(req.samples, req.mode))
+
+    @app.post("/get_reward", response_model=api.GetRewardResponse)
+    async def get_reward(req: api.GetRewardRequest):
+        n = len(req.query)
+        for name, values in (("prompts", req.prompts), ("labels", req.labels)):
+            if len(values) != n:
+                raise HTTPException(422, f"{name} has {len(values)} entries for {n} queries: one each is required")
+        objs: list = []
+        pre_errors: dict[int, str] = {}
+        for i, (query, prompt, label) in enumerate(zip(req.query, req.prompts, req.labels)):
+            try:
+                obj = json.loads(label)
+            except json.JSONDecodeError as e:
+                pre_errors[i] = f"labels[{i}]: not JSON ({e.msg} at column {e.colno})"
+                objs.append(None)
+                continue
+            if not isinstance(obj, dict):
+                pre_errors[i] = f"labels[{i}]: expected a sample object without response, got {type(obj).__name__}"
+                objs.append(None)
+                continue
+            if not query.startswith(prompt):
+                pre_errors[i] = f"query[{i}] does not start with prompts[{i}]"
+                objs.append(None)
+                continue
+            obj = dict(obj)
+            obj.setdefault("id", f"get_reward-{i}")
+            obj["response"] = parse_raw_response(query[len(prompt):]).to_json()
+            objs.append(obj)
+        rows = await score_samples([o if o is not None else {} for o in objs], "full")
+        gate = float(engine.reward.penalties.gate_reward)
+        rewards, errors = [], []
+        logs: dict[str, list[float]] = {k: [] for k in ("p_pass", "rule_score", "n_issues", "img", "gated", "error")}
+        for i, row in enumerate(rows):
+            err = pre_errors.get(i) or row.get("error")
+            errors.append(err)
+            if err is not None:
+                rewards.append(gate)
+                for k, v in (("p_pass", 0.0), ("rule_score", gate), ("n_issues", 0.0), ("img", -1.0),
+                             ("gated", 1.0), ("error", 1.0)):
+                    logs[k].append(v)
+                continue
+            rewards.append(float(row["reward"]))
+            logs["p_pass"].append(_finite(row["p_pass"]))
+            logs["rule_score"].append(float(row["rule_score"]))
+            logs["n_issues"].append(float(len(row["issues"])))
+            logs["img"].append(_finite(row["img"], -1.0))
+            logs["gated"].append(float(bool(row["components"]["gated"])))
+            logs["error"].append(0.0)
+        # OpenRLHF reads "rewards" for training and "scores" for filtering; both are the reward here.
+        return api.GetRewardResponse(rewards=rewards, scores=list(rewards), extra_logs=logs, errors=errors)
+
+    return _Guard(app, settings, metrics), app
