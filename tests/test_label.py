@@ -249,6 +249,13 @@ def test_resume_skips_labelled_ids_and_refuses_a_foreign_folder(tmp_path):
     assert (stats["read"], stats["labelled"], stats["failed"]) == (11, 11, 0)
     with pytest.raises(ValueError, match="not in the folder"):
         label_file(str(inp), str(tmp_path / "elsewhere.jsonl"), _settings())
+    held = store.RunLock(str(out))          # another labeller on the same OUT
+    try:
+        with pytest.raises(ValueError, match="another labeller"):
+            label_file(str(inp), str(out), _settings())
+    finally:
+        held.release()
+    assert label_file(str(inp), str(out), _settings(limit=11))["labelled"] == 11
 
 
 # ================================================================ against the real server

@@ -42,8 +42,9 @@ class RetryPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationSettings:
-    max_tokens: int = 512
-    temperature: float = 0.0
+    # A verdict is one JSON line (a one-line reason); the budget also sizes the server's KV cache.
+    max_tokens: int = 256
+    temperature: float = 0.0   # labels must be reproducible: a rerun asks the same question
 
 
 class UnusableReply(Exception):

@@ -232,9 +232,17 @@ def label_file(input_path: str, out_path: str, settings: LabelSettings) -> dict:
         raise ValueError("--out must differ from --input (OUT is appended to)")
     out_dir = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(out_dir, exist_ok=True)
+    lock = store.RunLock(out_path)
+    try:
+        return _label_file_locked(input_path, out_path, settings, t0)
+    finally:
+        lock.release()
 
+
+def _label_file_locked(input_path: str, out_path: str, settings: LabelSettings, t0: float) -> dict:
     tally = Tally()
     tasks, rejects = _read_input(input_path, settings.limit, tally)
+    out_dir = os.path.dirname(os.path.abspath(out_path))
     same_folder = out_dir == os.path.dirname(os.path.abspath(input_path))
     if not same_folder and any(uses_relative_images(t.raw) for t in tasks):
         raise ValueError(f"--out={out_path} is not in the folder of --input={input_path}, whose rows name "
@@ -280,9 +288,11 @@ async def _label_all(todo: list[Task], settings: LabelSettings, tally: Tally, ou
                                policy=settings.policy, generation=settings.generation, api_key=settings.api_key)
     image_pool = None
     if settings.image_endpoint:
+        # {"img": N, "reason": one line}: half the verdict's budget.
+        image_gen = dataclasses.replace(settings.generation, max_tokens=max(16, settings.generation.max_tokens // 2))
         image_pool = TeacherPool([settings.image_endpoint], settings.image_model or settings.model,
                                  concurrency=settings.concurrency, policy=settings.policy,
-                                 generation=settings.generation, api_key=settings.api_key)
+                                 generation=image_gen, api_key=settings.api_key)
     queue: asyncio.Queue[Task] = asyncio.Queue()
     for t in todo:
         queue.put_nowait(t)

@@ -91,6 +91,25 @@ class JsonlAppender:
         self._f.close()
 
 
+class RunLock:
+    """An exclusive lock on OUT.lock for the whole run: two labellers appending to one OUT would
+    each miss the other's ids and write them twice. Released when the process ends (kill -9
+    included: the kernel drops flock locks with the process)."""
+
+    def __init__(self, out: str):
+        import fcntl
+        self.path = out + ".lock"
+        self._f = open(self.path, "a")
+        try:
+            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.close()
+            raise ValueError(f"{out}: another labeller is writing it (lock {self.path} is held)") from None
+
+    def release(self) -> None:
+        self._f.close()
+
+
 def write_json_atomic(path: str, obj: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
