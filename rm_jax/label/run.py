@@ -265,18 +265,19 @@ def _label_file_locked(input_path: str, out_path: str, settings: LabelSettings, 
     rej_w = store.JsonlAppender(store.rejects_path(out_path), "wb")
     for r in rejects:
         rej_w.write(r.to_json())
-    pending = len(todo)
     endpoint_stats: dict = {}
     complete = False
     try:
         endpoint_stats = asyncio.run(_label_all(todo, settings, tally, out_w, err_w, rej_w))
-        pending = 0
         complete = True
     finally:
         for w in (out_w, err_w, rej_w):
             w.close()
-        stats = _stats(input_path, out_path, settings, tally, existing, pending, complete,
-                       time.monotonic() - t0, endpoint_stats)
+        # Interrupted (Ctrl-C): the rows not reached yet are `pending`; the next run takes them.
+        done = tally.already_labelled + tally.labelled_this_run + sum(tally.failed.values()) + \
+            sum(tally.rejected.values())
+        stats = _stats(input_path, out_path, settings, tally, existing, 0 if complete else tally.read - done,
+                       complete, time.monotonic() - t0, endpoint_stats)
         store.write_json_atomic(store.stats_path(out_path), stats)
     return stats
 
