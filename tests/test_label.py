@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import hashlib
 import io
 import json
 import os
@@ -24,6 +25,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
+import httpx2   # the openai SDK's HTTP client
 import openai
 import pytest
 from PIL import Image
@@ -116,7 +118,7 @@ def test_routing_contracts_and_the_training_transcript(many_images):
         r = build_requests(s, 64, image_head=False)
         assert r.route == route and r.verdict.contract.id == route
         assert r.verdict.messages[0] == {"role": "system", "content": contract}
-        assert VERDICT_CONTRACTS[route].sha256 == __import__("hashlib").sha256(contract.encode()).hexdigest()
+        assert VERDICT_CONTRACTS[route].sha256 == hashlib.sha256(contract.encode()).hexdigest()
         content = r.verdict.messages[1]["content"]
         flat = "".join(p["text"] if p["type"] == "text" else "<IMG>" for p in content)
         # The training renderer's transcript, after the tool schemas.
@@ -148,13 +150,13 @@ def test_reply_parsing():
 
 
 def _status_error(cls, code, headers=None):
-    req = client_lib.openai._base_client.httpx2.Request("POST", "http://x/v1/chat/completions")
-    resp = client_lib.openai._base_client.httpx2.Response(code, headers=headers or {}, request=req)
+    req = httpx2.Request("POST", "http://x/v1/chat/completions")
+    resp = httpx2.Response(code, headers=headers or {}, request=req)
     return cls("boom", response=resp, body=None)
 
 
 def test_retry_classification_and_retry_after():
-    req = client_lib.openai._base_client.httpx2.Request("POST", "http://x")
+    req = httpx2.Request("POST", "http://x")
     assert client_lib.retryable(_status_error(openai.InternalServerError, 500))
     assert client_lib.retryable(_status_error(openai.InternalServerError, 503))
     assert client_lib.retryable(_status_error(openai.RateLimitError, 429))
@@ -268,8 +270,9 @@ class FaultProxy:
 
     KINDS = ("http_500", "http_429", "stall", "drop", "truncate")
 
-    def __init__(self, upstream: str, *, stall_s: float, every: int = 5, offset: int = 2, faults: bool = True):
-        self.upstream, self.stall_s, self.every, self.offset, self.faults = upstream, stall_s, every, offset, faults
+    def __init__(self, upstream: str, *, stall_s: float, every: int = 5, offset: int = 2, first_kind: int = 0):
+        self.upstream, self.stall_s, self.every, self.offset = upstream, stall_s, every, offset
+        self.first_kind = first_kind
         self.lock = threading.Lock()
         self.n = 0
         self.posts: list[tuple[str, dict]] = []      # (fault kind or "ok", request body)
@@ -337,8 +340,8 @@ class FaultProxy:
     def _next(self) -> str:
         with self.lock:
             n, self.n = self.n, self.n + 1
-        if self.faults and n % self.every == self.offset:
-            return self.KINDS[(n // self.every) % len(self.KINDS)]
+        if n % self.every == self.offset:
+            return self.KINDS[(n // self.every + self.first_kind) % len(self.KINDS)]
         return "ok"
 
     def kinds(self) -> collections.Counter:
@@ -388,10 +391,12 @@ def _ids(path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference_run(teacher, label_input):
-    """An uninterrupted, fault-free run (it also warms the server's compiled shapes)."""
+    """An uninterrupted, fault-free run. It also compiles the server's shapes for up to three
+    requests in flight (two verdict slots, one image slot: the faulty run's topology), so that a
+    compile does not pass for a stall there."""
     d, _ = label_input
     out = d / "reference.jsonl"
-    settings = LabelSettings(endpoints=(teacher.url + "/v1",), model=teacher.model_id,
+    settings = LabelSettings(endpoints=(teacher.url + "/v1",) * 2, model=teacher.model_id,
                              image_endpoint=teacher.url + "/v1", concurrency=1, thumbnail_edge=40,
                              progress=False, policy=client_lib.RetryPolicy(timeout_s=300))
     stats = label_file(str(d / "samples.jsonl"), str(out), settings)
@@ -404,12 +409,13 @@ def test_every_sample_labelled_once_through_faults(teacher, label_input, referen
     ref_out, ref_stats = reference_run
     assert (ref_stats["read"], ref_stats["labelled"], ref_stats["failed"], ref_stats["rejected"]) == (32, 30, 0, 2)
     stall = TIMEOUT_S + 2
-    proxies = [FaultProxy(teacher.url, stall_s=stall, offset=k) for k in (1, 2, 3)]
+    # Different first faults, so that the three together meet every kind in a short run.
+    proxies = [FaultProxy(teacher.url, stall_s=stall, offset=k, first_kind=2 * k) for k in (0, 1, 2)]
     try:
         settings = LabelSettings(endpoints=(proxies[0].url, proxies[1].url), model=teacher.model_id,
                                  image_endpoint=proxies[2].url, concurrency=1, thumbnail_edge=40, progress=False,
-                                 policy=client_lib.RetryPolicy(max_retries=6, timeout_s=TIMEOUT_S,
-                                                               backoff_initial_s=0.1, backoff_max_s=1.0))
+                                 policy=client_lib.RetryPolicy(max_retries=12, timeout_s=TIMEOUT_S,
+                                                               backoff_initial_s=0.1, backoff_max_s=2.0))
         out = d / "faulty.jsonl"
         stats = label_file(str(d / "samples.jsonl"), str(out), settings)
     finally:
@@ -468,7 +474,7 @@ def test_kill9_mid_run_then_resume_gives_the_same_set(teacher, label_input, refe
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "launch.label", f"--input={d / 'samples.jsonl'}", f"--out={out}",
            f"--endpoint={proxy.url}", f"--model={teacher.model_id}", f"--image_endpoint={proxy.url}",
-           "--concurrency=1", f"--timeout_s={TIMEOUT_S}", "--thumbnail_edge=40"]
+           "--concurrency=1", f"--timeout_s={TIMEOUT_S}", "--max_retries=12", "--thumbnail_edge=40"]
     try:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 240
@@ -507,3 +513,15 @@ def _ids_safe(path) -> list[str]:
         except (json.JSONDecodeError, KeyError):
             pass
     return out
+
+
+def test_progress_shows_the_running_fail_rate_by_route():
+    from rm_jax.label.run import Tally
+    t = Tally()
+    for route, l3 in [(ROUTE_TEXT_ONLY, "fail")] * 3 + [(ROUTE_TEXT_ONLY, "pass")] + [(ROUTE_TOOL_CALL, "pass")] * 9 \
+            + [(ROUTE_TOOL_CALL, "fail")]:
+        t.add_labelled(route, l3, this_run=True)
+    t.add_labelled(ROUTE_TOOL_CALL, "fail", this_run=False)     # an earlier run's: not in the running rate
+    t.failed["timeout"] += 2
+    assert t.progress_text() == "tool_call fail 10.0% of 10 | text_only fail 75.0% of 4 | errors 2 | rejected 0"
+    assert t.routes[ROUTE_TOOL_CALL].labelled == 11
