@@ -144,7 +144,8 @@ def test_reply_parsing():
     assert parse_image_score('{"img": 7, "reason": "x"}') == 7
     assert parse_image_score('{"l3": "pass", "issues": [], "img": 10}') == 10
     assert parse_image_score('score: {"img": 4.0, "reason": "unclosed') == 4
-    for bad in ('{"img": 11}', '{"img": null}', "seven"):
+    assert parse_image_score('{"l3": "pass", "issues": [], "img":img": 8}') == 8   # seen from a tiny judge
+    for bad in ('{"img": 11}', '{"img": null}', "seven", '{"img": 7.5}'):
         with pytest.raises(client_lib.UnusableReply):
             parse_image_score(bad)
 

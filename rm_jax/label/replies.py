@@ -35,7 +35,7 @@ def _score(value) -> int | None:
 
 
 def parse_image_score(text: str) -> int:
-    """The 0-10 consistency score: a JSON object's "img", else an `"img": N` anywhere."""
+    """The 0-10 consistency score: a JSON object's "img", else the last `img": N` in the text."""
     start = text.find("{")
     if start >= 0:
         try:
@@ -44,7 +44,8 @@ def parse_image_score(text: str) -> int:
                 return _score(obj["img"])
         except json.JSONDecodeError:
             pass
-    m = re.search(r'"img"\s*:\s*(\d+(?:\.0)?)\b', text)
-    if m and _score(float(m.group(1))) is not None:
-        return int(float(m.group(1)))
+    # A damaged object (a small teacher wrote '"img":img": 8}'): the last `img": N` in the text.
+    found = re.findall(r'img"?\s*:\s*(\d+(?:\.0)?)(?![\d.])', text)
+    if found and _score(float(found[-1])) is not None:
+        return int(float(found[-1]))
     raise UnusableReply(f"no 0-10 img score in the reply: {text[:120]!r}")
