@@ -526,3 +526,18 @@ def test_progress_shows_the_running_fail_rate_by_route():
     t.failed["timeout"] += 2
     assert t.progress_text() == "tool_call fail 10.0% of 10 | text_only fail 75.0% of 4 | errors 2 | rejected 0"
     assert t.routes[ROUTE_TOOL_CALL].labelled == 11
+
+
+def test_reference_reply_never_reaches_judge_or_teacher(many_images):
+    """validate_labels measures against reference_reply; neither the judge's input (the renderer)
+    nor the teacher's request may contain it, or the check and the shortcut baseline break."""
+    d, obj, _ = many_images
+    text_obj = dict(obj, response={"content": "Done.", "tool_calls": []})
+    plain = schema.parse_sample(text_obj, line=1, base_dir=str(d), require_label=False)
+    with_ref = schema.parse_sample(dict(text_obj, reference_reply="ZQX-went-out-online"), line=1, base_dir=str(d),
+                                   require_label=False)
+    assert with_ref.reference_reply == "ZQX-went-out-online"
+    assert build_transcript(with_ref).parts == build_transcript(plain).parts
+    a, b = build_requests(with_ref, 64, True), build_requests(plain, 64, True)
+    assert a.verdict.messages == b.verdict.messages and a.image.messages == b.image.messages
+    assert "ZQX" not in json.dumps(a.verdict.messages + a.image.messages)
