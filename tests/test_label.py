@@ -145,7 +145,8 @@ def test_reply_parsing():
     assert parse_image_score('{"l3": "pass", "issues": [], "img": 10}') == 10
     assert parse_image_score('score: {"img": 4.0, "reason": "unclosed') == 4
     assert parse_image_score('{"l3": "pass", "issues": [], "img":img": 8}') == 8   # seen from a tiny judge
-    for bad in ('{"img": 11}', '{"img": null}', "seven", '{"img": 7.5}'):
+    assert parse_image_score('{"l3": "pass", "issues": [], "img": null}') is None     # declined, recorded
+    for bad in ('{"img": 11}', '{"reason": "no score"}', "seven", '{"img": 7.5}'):
         with pytest.raises(client_lib.UnusableReply):
             parse_image_score(bad)
 
@@ -361,7 +362,8 @@ def teacher(tmp_path_factory, built_shards):
     """rm_jax's launch.serve over a tiny judge trained for 40 steps (enough to write verdict JSON)."""
     from serve_fixtures import JudgeServer, server_env
     root = tmp_path_factory.mktemp("teacher")
-    cache = root / "jax_cache"
+    # A persistent compilation cache, when given, spares reruns the server's many chat compiles.
+    cache = os.environ.get("RM_JAX_TEST_COMPILE_CACHE") or root / "jax_cache"
     workdir = root / "judge"
     cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny.py", f"--workdir={workdir}",
            f"--config.data.dir={built_shards[0]}", "--config.train.steps=40", "--config.train.checkpoint_every=40",
@@ -443,9 +445,13 @@ def test_every_sample_labelled_once_through_faults(teacher, label_input, referen
         route = ROUTE_TOOL_CALL if row["response"]["tool_calls"] else ROUTE_TEXT_ONLY
         assert meta["contract_id"] == route and meta["contract_sha256"] == VERDICT_CONTRACTS[route].sha256
         assert meta["teacher_model"] == teacher.model_id and meta["attempts"] >= 1 and meta["latency_s"] > 0
-        has_image = bool(schema.parse_sample(row, line=1, base_dir=str(d)).images) or meta["n_images"] > 0
-        assert (row["label"]["img"] is None) == (not has_image)
+        has_image = meta["n_images"] > 0
         assert (meta["image"] is not None) == has_image
+        if not has_image:
+            assert row["label"]["img"] is None
+        else:   # the image head's score, or null when it declined (recorded)
+            assert (row["label"]["img"] is None) == meta["image"]["declined"]
+            assert meta["image"]["contract_sha256"] == IMAGE_CONTRACT.sha256 and meta["image"]["attempts"] >= 1
     assert any(r["label_meta"]["attempts"] > 1 for r in rows)
     # What arrived at the image teacher: every image of the sample, as 40-px thumbnails, exactly
     # the request built for it.

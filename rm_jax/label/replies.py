@@ -34,16 +34,22 @@ def _score(value) -> int | None:
     return int(value) if value == int(value) and 0 <= value <= 10 else None
 
 
-def parse_image_score(text: str) -> int:
-    """The 0-10 consistency score: a JSON object's "img", else the last `img": N` in the text."""
+def parse_image_score(text: str) -> int | None:
+    """The 0-10 consistency score: a JSON object's "img", else the last `img": N` in the text.
+    None when the teacher's object says ``"img": null`` (it declined to score: asking again at
+    temperature 0 gets the same answer); the caller records that, it does not pass for a score."""
     start = text.find("{")
+    obj = None
     if start >= 0:
         try:
             obj, _ = json.JSONDecoder().raw_decode(text[start:])
-            if isinstance(obj, dict) and _score(obj.get("img")) is not None:
-                return _score(obj["img"])
         except json.JSONDecodeError:
-            pass
+            obj = None
+    if isinstance(obj, dict) and "img" in obj:
+        if _score(obj["img"]) is not None:
+            return _score(obj["img"])
+        if obj["img"] is None:
+            return None
     # A damaged object (a small teacher wrote '"img":img": 8}'): the last `img": N` in the text.
     found = re.findall(r'img"?\s*:\s*(\d+(?:\.0)?)(?![\d.])', text)
     if found and _score(float(found[-1])) is not None:

@@ -62,6 +62,7 @@ class Labelled:
     attempts: int
     latency_s: float
     row: dict
+    image_declined: bool = False   # the image head answered "img": null
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,7 @@ class Tally:
     run_routes: dict[str, RouteTally] = dataclasses.field(default_factory=lambda: {r: RouteTally() for r in ROUTES})
     attempts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     retried_samples: int = 0
+    image_declined: int = 0
     latencies: list[float] = dataclasses.field(default_factory=list)
 
     def add_labelled(self, route: str, l3: str, this_run: bool) -> None:
@@ -151,10 +153,12 @@ def uses_relative_images(raw: dict) -> bool:
 
 
 def _compose(task: Task, reqs: SampleRequests, verdict: Completion[VerdictReply],
-             image: Completion[int] | None) -> Labelled:
+             image: Completion[int | None] | None) -> Labelled:
     v = verdict.value
     img = None
     if reqs.has_image:   # null without images, whatever a teacher wrote (the schema nulls it too)
+        # The image head's score when there is one (null if it declined: recorded below),
+        # else what the verdict teacher wrote.
         img = image.value if image is not None else v.img
     label = {"l3": v.l3, "reason": v.reason, "issues": list(v.issues), "img": img}
     meta = {"teacher_model": verdict.model, "endpoint": verdict.endpoint,
@@ -166,13 +170,15 @@ def _compose(task: Task, reqs: SampleRequests, verdict: Completion[VerdictReply]
         meta["image"] = {"teacher_model": image.model, "endpoint": image.endpoint,
                          "contract_id": reqs.image.contract.id, "contract_sha256": reqs.image.contract.sha256,
                          "attempts": image.attempts, "latency_s": round(image.latency_s, 4),
-                         "elapsed_s": round(image.elapsed_s, 4), "n_images": reqs.image.n_images}
+                         "elapsed_s": round(image.elapsed_s, 4), "n_images": reqs.image.n_images,
+                         "declined": image.value is None}
     row = {k: v_ for k, v_ in task.raw.items() if k not in ("label", "label_meta")}
     row["label"] = label
     row["label_meta"] = meta
     attempts = verdict.attempts + (image.attempts if image is not None else 0)
     latency = verdict.latency_s + (image.latency_s if image is not None else 0.0)
-    return Labelled(task.sample.id, reqs.route, v.l3, attempts, latency, row)
+    return Labelled(task.sample.id, reqs.route, v.l3, attempts, latency, row,
+                    image_declined=image is not None and image.value is None)
 
 
 async def label_one(task: Task, settings: LabelSettings, verdict_pool: TeacherPool,
@@ -310,6 +316,7 @@ async def _label_all(todo: list[Task], settings: LabelSettings, tally: Tally, ou
             tally.attempts["requests"] += result.attempts
             tally.retried_samples += result.attempts > (2 if result.row["label_meta"]["image"] else 1)
             tally.latencies.append(result.latency_s)
+            tally.image_declined += result.image_declined
         elif isinstance(result, Failed):
             err_w.write(result.to_json())
             tally.failed[result.code] += 1
@@ -366,6 +373,7 @@ def _stats(input_path: str, out_path: str, settings: LabelSettings, tally: Tally
         "failed_by_reason": dict(sorted(tally.failed.items())),
         "by_route": by_route,
         "requests": tally.attempts["requests"], "retried_samples": tally.retried_samples,
+        "image_declined_this_run": tally.image_declined,
         "latency_s": {"p50": _pct(tally.latencies, 50), "p95": _pct(tally.latencies, 95),
                       "mean": round(float(np.mean(tally.latencies)), 4) if tally.latencies else None},
         "elapsed_s": round(elapsed, 3),
