@@ -78,9 +78,28 @@ def main(argv):
     logging.info("serving %s (step %d, %s) on http://%s:%d%s", engine.model_id, engine.step, engine.model_type, host,
                  _PORT.value, " with a bearer key" if api_key else "")
     # uvicorn handles SIGTERM/SIGINT: stop accepting, wait for in-flight requests, run the
-    # lifespan shutdown (which drains the device worker), exit 0.
-    uvicorn.run(asgi, host=host, port=_PORT.value, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=None)
+    # lifespan shutdown (which drains the device worker).
+    config = uvicorn.Config(asgi, host=host, port=_PORT.value, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=None)
+    _drained_server_class()(config).run()
+    logging.info("drained and stopped")
+
+
+def _drained_server_class():
+    import contextlib
+
+    import uvicorn
+
+    class DrainedServer(uvicorn.Server):
+        """uvicorn re-raises a caught SIGTERM after its graceful shutdown, so the process would
+        die by the signal; here a drained shutdown is a normal exit (status 0)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                getattr(self, "_captured_signals", []).clear()
+    return DrainedServer
 
 
 if __name__ == "__main__":

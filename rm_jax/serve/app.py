@@ -201,8 +201,12 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
     async def score_samples(objs: list, mode: str) -> list[dict]:
         parsed = [parse_request_sample(o, i, settings.image_root) for i, o in enumerate(objs)]
         good = [s for s in parsed if not isinstance(s, BadSample)]
-        rows = iter(await submit(KIND_FULL if mode == "full" else KIND_P_PASS, good, len(good)) if good else [])
-        return [p.row() if isinstance(p, BadSample) else next(rows) for p in parsed]
+        kind = KIND_FULL if mode == "full" else KIND_P_PASS
+        rows = iter(await submit(kind, good, len(good)) if good else [])
+        out = [p.row() if isinstance(p, BadSample) else next(rows) for p in parsed]
+        for row in out:
+            metrics.samples.labels(kind, "error" if "error" in row else "ok").inc()
+        return out
 
     @app.post("/v1/score", response_model=api.ScoreResponse)
     async def score(req: api.ScoreRequest):

@@ -1,0 +1,167 @@
+"""Reward server under load: 64 concurrent loopback clients vs in-process batched scoring.
+
+    python -m benchmarks.serve_load [--clients=64 --seconds=30 --warmup_seconds=90 --max_batch=32 --n=96]
+
+The tiny judge (configs/tiny.py, random weights, the synthetic tokenizer) is served by the real
+app (``rm_jax.serve.app``) under uvicorn on 127.0.0.1 in this process; ``--clients`` asyncio
+clients each post ``/v1/score`` requests of 1-8 consecutive samples from a pool of ``--n``
+synthetic samples (GRPO-style groups of 3, with images), back to back, for a bounded time.
+The baseline is the same ``Scorer`` scoring the whole pool in-process in batches of
+``--max_batch`` (what ``launch.score`` does): the ratio shows how much of the device's batched
+throughput survives HTTP, JSON and dynamic batching. Both are warmed up first (compiles). Full
+scoring (verdict + decoded reason/issues/img), ``--max_new_tokens`` of decoding.
+
+Goals: 0 errors, ratio >= 0.8, p99 < 5x p50. A measurement, not a test. Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import tempfile
+import threading
+import time
+
+from absl import app, flags
+
+flags.DEFINE_integer("clients", 64, "concurrent clients")
+flags.DEFINE_float("seconds", 30.0, "timed load phase")
+flags.DEFINE_float("warmup_seconds", 90.0, "untimed load phase first (compiles every shape the mix needs)")
+flags.DEFINE_integer("max_batch", 32, "server batch = in-process batch")
+flags.DEFINE_float("max_wait_ms", 10.0, "server batching window")
+flags.DEFINE_integer("n", 96, "sample pool")
+flags.DEFINE_integer("max_new_tokens", 32, "decoding budget after the verdict")
+flags.DEFINE_integer("seed", 0, "request mix")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+async def _load(url: str, pool: list[dict], clients: int, seconds: float, seed: int):
+    import httpx
+    rng = random.Random(seed)
+    latencies: list[float] = []
+    errors = samples = requests = 0
+    end = time.perf_counter() + seconds
+
+    async def client(c: httpx.AsyncClient, r: random.Random):
+        nonlocal errors, samples, requests
+        while time.perf_counter() < end:
+            k = r.randint(1, 8)
+            start = r.randrange(0, len(pool) - k + 1)
+            t0 = time.perf_counter()
+            try:
+                resp = await c.post("/v1/score", json={"samples": pool[start:start + k], "mode": "full"})
+                ok = resp.status_code == 200 and all("error" not in row for row in resp.json()["results"])
+            except Exception:   # noqa: BLE001 -- counted, the load goes on
+                ok = False
+            latencies.append(time.perf_counter() - t0)
+            requests += 1
+            if ok:
+                samples += k
+            else:
+                errors += 1
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=300.0, limits=limits) as c:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c, random.Random(rng.random())) for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    return dict(samples=samples, requests=requests, errors=errors, wall=wall, latencies=latencies)
+
+
+def main(argv):
+    del argv
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import logging as py_logging
+
+    import uvicorn
+    py_logging.getLogger("httpx").setLevel(py_logging.WARNING)     # one INFO line per request otherwise
+
+    from configs.tiny import get_config
+    from rm_jax.data import synth
+    from rm_jax.data.render import Renderer
+    from rm_jax.data.schema import Sample, read_samples
+    from rm_jax.model.judge import init_model
+    from rm_jax.score.reward import RewardSettings
+    from rm_jax.serve.app import ServeSettings, create_app
+    from rm_jax.serve.engine import Engine
+    from rm_jax.train.loop import model_config
+
+    f = flags.FLAGS
+    tmp = tempfile.mkdtemp()
+    data = os.path.join(tmp, "data")
+    synth.write_dataset(data, n=max(f.n, 24), seed=0)
+    cfg = get_config()
+    renderer = Renderer.from_config(cfg.data, os.path.join(data, "tokenizer"))
+    cfg.model.text_config.vocab_size = len(renderer.tokenizer)
+    model = init_model(model_config(cfg), seed=0)
+    engine = Engine(model=model, renderer=renderer, run_cfg=cfg, step=0, workdir=tmp, max_batch=f.max_batch,
+                    max_new_tokens=f.max_new_tokens, reward=RewardSettings())
+    with open(os.path.join(data, "samples.jsonl")) as fh:
+        pool = [json.loads(line) for line in fh][:f.n]
+    parsed = [s for s in read_samples(os.path.join(data, "samples.jsonl")) if isinstance(s, Sample)][:f.n]
+
+    # In-process: the same scorer over the whole pool, warmed up (every bucket compiled) first;
+    # timed before and after the load phase (a shared CPU's load drifts), the mean is the baseline.
+    engine.scorer.score(parsed)
+
+    def in_process() -> float:
+        t0 = time.perf_counter()
+        engine.scorer.score(parsed)
+        return len(parsed) / (time.perf_counter() - t0)
+    before = in_process()
+
+    settings = ServeSettings(max_batch=f.max_batch, max_wait_ms=f.max_wait_ms, max_queue=4096, image_root=data)
+    asgi, fastapi_app = create_app(engine, settings)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=port, log_level="warning",
+                                           access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    warm = asyncio.run(_load(url, pool, f.clients, f.warmup_seconds, f.seed + 1))
+    reg = fastapi_app.state.metrics.registry
+    count0 = reg.get_sample_value("rm_jax_batch_size_count", {"kind": "score_full"}) or 0.0
+    sum0 = reg.get_sample_value("rm_jax_batch_size_sum", {"kind": "score_full"}) or 0.0
+    got = asyncio.run(_load(url, pool, f.clients, f.seconds, f.seed))
+    count1 = reg.get_sample_value("rm_jax_batch_size_count", {"kind": "score_full"}) or 0.0
+    sum1 = reg.get_sample_value("rm_jax_batch_size_sum", {"kind": "score_full"}) or 0.0
+    server.should_exit = True
+    thread.join(60)
+    after = in_process()
+    inproc = (before + after) / 2
+    print(f"in-process  {len(parsed)} samples, batch {f.max_batch}: {inproc:8.1f} samples/s "
+          f"(before the load {before:.1f}, after {after:.1f})")
+
+    served = got["samples"] / got["wall"]
+    p50, p99 = _percentile(got["latencies"], 0.5), _percentile(got["latencies"], 0.99)
+    mean_batch = (sum1 - sum0) / max(count1 - count0, 1.0)
+    print(f"server      {f.clients} clients, {got['requests']} requests in {got['wall']:.1f}s: "
+          f"{served:8.1f} samples/s ({served / inproc:.2f}x in-process)")
+    print(f"latency     p50 {p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms ({p99 / p50:.2f}x p50)")
+    print(f"batches     mean {mean_batch:.1f} samples per device batch (max {f.max_batch})")
+    print(f"errors      {got['errors']} (warm-up: {warm['errors']} of {warm['requests']})")
+    print(json.dumps({"bench": "serve_load", "clients": f.clients, "seconds": round(got["wall"], 2),
+                      "requests": got["requests"], "server_samples_per_s": round(served, 2),
+                      "inprocess_samples_per_s": round(inproc, 2), "ratio_vs_inprocess": round(served / inproc, 3),
+                      "p50_ms": round(p50 * 1e3, 1), "p99_ms": round(p99 * 1e3, 1),
+                      "p99_over_p50": round(p99 / p50, 2), "errors": got["errors"],
+                      "mean_batch": round(mean_batch, 2), "max_batch": f.max_batch}))
+
+
+if __name__ == "__main__":
+    app.run(main)
