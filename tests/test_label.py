@@ -293,8 +293,11 @@ class FaultProxy:
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
                 self.end_headers()
-                self.wfile.write(body[: len(body) // 2] if cut else body)
-                self.wfile.flush()
+                try:
+                    self.wfile.write(body[: len(body) // 2] if cut else body)
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    return       # the client gave up first (its timeout): nothing to deliver
                 if cut:
                     self._hang_up()
 
