@@ -550,3 +550,21 @@ def test_reference_reply_never_reaches_judge_or_teacher(many_images):
     a, b = build_requests(with_ref, 64, True), build_requests(plain, 64, True)
     assert a.verdict.messages == b.verdict.messages and a.image.messages == b.image.messages
     assert "ZQX" not in json.dumps(a.verdict.messages + a.image.messages)
+
+
+def test_connection_errors_use_the_whole_retry_budget():
+    import asyncio
+
+    async def go():
+        pool = client_lib.TeacherPool([UNREACHABLE, UNREACHABLE], "m", concurrency=1,
+                                      policy=client_lib.RetryPolicy(max_retries=3, timeout_s=2, backoff_initial_s=0.01,
+                                                                    backoff_max_s=0.02))
+        try:
+            with pytest.raises(client_lib.TeacherError) as e:
+                await pool.complete([{"role": "user", "content": "x"}], parse_verdict)
+            return e.value, pool.endpoint_stats()
+        finally:
+            await pool.aclose()
+    err, eps = asyncio.run(go())
+    assert (err.code, err.attempts) == ("connection_error", 4)
+    assert [e["requests"] for e in eps] == [2, 2]          # attempts spread over both endpoints

@@ -10,8 +10,9 @@
 * Retries: 429, 5xx, 408, timeouts, connection errors and unreadable bodies (a truncated
   response) back off exponentially with full jitter; a 429/503 Retry-After is honoured (capped).
   Other 4xx (bad request, unknown model, auth) fail at once: retrying cannot help.
-* A reply the caller cannot parse is retried on the same budget (a temperature-0 teacher may
-  still vary under batching); after the last attempt the sample is a recorded failure.
+* A reply the caller cannot parse is asked again `unusable_retries` times (a temperature-0
+  teacher may still vary under batching, but mostly repeats itself); then the sample is a
+  recorded failure (``unusable_reply``), retried by the next run.
 * Each attempt has a deadline of ``timeout_s`` (the SDK's timeout is per read; the deadline
   also bounds a server that trickles bytes).
 """
@@ -38,6 +39,9 @@ class RetryPolicy:
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     retry_after_max_s: float = 60.0
+    # An unusable reply is asked again this many times at most: a temperature-0 teacher mostly
+    # repeats itself, and the full budget would spend 7 requests per bad reply.
+    unusable_retries: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,10 +193,19 @@ class TeacherPool:
         """Send one chat request (retried); `parse` turns the reply into T or raises UnusableReply."""
         t_start = time.monotonic()
         attempts = 0
+        unusable = 0
         last: dict = {}
+
+        def again(exc: BaseException) -> bool:
+            nonlocal unusable
+            if isinstance(exc, UnusableReply):
+                unusable += 1
+                return unusable <= self.policy.unusable_retries
+            return retryable(exc)
+
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(self.policy.max_retries + 1),
-            wait=_Wait(self.policy), retry=tenacity.retry_if_exception(retryable), reraise=True)
+            wait=_Wait(self.policy), retry=tenacity.retry_if_exception(again), reraise=True)
         try:
             async for attempt in retrying:
                 with attempt:
