@@ -568,3 +568,21 @@ def test_connection_errors_use_the_whole_retry_budget():
     err, eps = asyncio.run(go())
     assert (err.code, err.attempts) == ("connection_error", 4)
     assert [e["requests"] for e in eps] == [2, 2]          # attempts spread over both endpoints
+
+
+def test_a_failing_endpoint_is_picked_last():
+    import asyncio
+
+    async def go():
+        pool = client_lib.TeacherPool(["http://127.0.0.1:9/a/v1", "http://127.0.0.1:9/b/v1"], "m", concurrency=2)
+        dead, live = pool.endpoints
+        dead.streak = 2                        # its last attempts failed; nothing in flight
+        live.in_flight = 1                     # busy, but answering
+        picks = [pool._pick() for _ in range(4)]
+        live.in_flight, dead.streak = 0, 0
+        after = {pool._pick().base_url for _ in range(4)}
+        await pool.aclose()
+        return picks, live, after
+    picks, live, after = asyncio.run(go())
+    assert all(p is live for p in picks)
+    assert after == {"http://127.0.0.1:9/a/v1", "http://127.0.0.1:9/b/v1"}   # recovered: both again

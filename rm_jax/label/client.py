@@ -5,7 +5,8 @@
   counted (label_meta.attempts) and may go to another endpoint.
 * Concurrency is bounded per endpoint (a semaphore each; default 2: the report's image teacher
   saturated at 3 full-resolution multi-image requests). Each attempt goes to the least loaded
-  endpoint, ties in turn, so N shards share the work and a slow or failing one gets less of it.
+  endpoint (one whose last attempts failed comes last), ties in turn, so N shards share the work
+  and a slow or dead one gets less of it.
   A slot is held only for the request itself, never across a backoff.
 * Retries: 429, 5xx, 408, timeouts, connection errors and unreadable bodies (a truncated
   response) back off exponentially with full jitter; a 429/503 Retry-After is honoured (capped).
@@ -135,6 +136,7 @@ class _Endpoint:
     in_flight: int = 0
     requests: int = 0
     failures: int = 0
+    streak: int = 0      # consecutive failed attempts (0 after a success)
 
 
 class TeacherPool:
@@ -160,10 +162,11 @@ class TeacherPool:
         return sum(e.capacity for e in self.endpoints)
 
     def _pick(self) -> _Endpoint:
-        # Least loaded first; among equals, round robin (so idle shards all get work).
+        # Healthy before failing (a dead shard has nothing in flight and would otherwise look
+        # idlest), then least loaded; among equals, round robin (so idle shards all get work).
         start = next(self._turn) % len(self.endpoints)
         order = self.endpoints[start:] + self.endpoints[:start]
-        return min(order, key=lambda e: e.in_flight / e.capacity)
+        return min(order, key=lambda e: (min(e.streak, 3), e.in_flight / e.capacity))
 
     async def _attempt(self, ep: _Endpoint, messages: list[dict]) -> tuple[str, float]:
         ep.in_flight += 1   # counted while waiting for a slot too: the next pick avoids a queue
@@ -182,9 +185,11 @@ class TeacherPool:
                 latency = time.monotonic() - t0
         except BaseException:
             ep.failures += 1
+            ep.streak += 1
             raise
         finally:
             ep.in_flight -= 1
+        ep.streak = 0
         if not getattr(resp, "choices", None):
             raise UnusableReply("reply without choices")
         return resp.choices[0].message.content or "", latency
