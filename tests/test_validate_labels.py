@@ -160,3 +160,10 @@ def test_cli_writes_report_plots_examples(labelled, tmp_path):
     top = [json.loads(x) for x in (out / "examples" / "similarity_0.8-1.0.jsonl").read_text().splitlines()]
     assert top and all(0.8 <= x["similarity"] <= 1.0 and x["reference_reply"] for x in top)
     assert "FLAG route_fail_rate_ratio" in res.stdout
+
+
+def test_a_teacher_that_passes_everything_is_flat(labelled, tmp_path):
+    _, samples, _, _, _ = labelled
+    rows = [dict(s, label=dict(s["label"], l3="pass", issues=[])) for s in samples]
+    rep = V.validate(_write(tmp_path / "all_pass.jsonl", rows))
+    assert [f.name for f in rep.flags] == [V.FLAG_FLAT] and "passes everything" in rep.flags[0].detail

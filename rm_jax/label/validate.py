@@ -11,7 +11,8 @@ checks, each a named flag in report.json (other tools read these names):
     Text-only fail rate by similarity bin (0-0.2 ... 0.8-1.0; bins with fewer than `min_bin`
     rows are shown but not judged). Raised when the highest judged bin fails at least
     `flat_ratio` times as often as text-only answers overall, or at least as often as the lowest
-    bin: near-copies of the online reply should almost all pass.
+    bin (near-copies of the online reply should almost all pass), or when no text-only answer
+    failed at all (flat at zero: a teacher that passes everything).
 ``route_fail_rate_ratio``
     Raised when one route's fail rate is >= `route_ratio` times the other's, and the difference
     is beyond chance (two-proportion z >= `route_z`; both routes with >= `min_route` rows).
@@ -214,8 +215,13 @@ def similarity_bins(rows: list[LabelRow], th: Thresholds) -> tuple[list[SimBin],
 
 def flat_flag(bins: list[SimBin], overall: float | None, th: Thresholds) -> Flag | None:
     judged = [b for b in bins if b.judged]
-    if len(judged) < 2 or not overall:
-        return None     # too few rows to judge, or no text-only failure at all
+    if len(judged) < 2 or overall is None:
+        return None     # too few rows to judge
+    if overall == 0:
+        # Flat at zero: a teacher that passes every text answer tells pass from fail no better.
+        return Flag(FLAG_FLAT, f"no text-only answer failed ({sum(b.n for b in bins)} with a reference_reply): "
+                               "the fail rate cannot fall as similarity rises; a teacher that passes "
+                               "everything carries no signal")
     top, bottom = judged[-1], judged[0]
     if top.fail_rate >= th.flat_ratio * overall or top.fail_rate >= bottom.fail_rate:
         return Flag(FLAG_FLAT,
