@@ -54,6 +54,10 @@ def main(argv):
     except (FileNotFoundError, ValueError, OutputCorrupt) as e:
         logging.error("%s", e)
         sys.exit(2)
+    except KeyboardInterrupt:
+        # The stats were written (complete: false, the rows not reached as `pending`).
+        logging.warning("interrupted; OUT holds every label finished so far: rerun the same command to resume")
+        sys.exit(130)
     summary = {k: stats[k] for k in ("read", "labelled", "failed", "rejected", "labelled_this_run",
                                      "already_labelled", "elapsed_s", "throughput_samples_per_s")}
     summary["fail_rate_by_route"] = {r: v["fail_rate"] for r, v in stats["by_route"].items()}
