@@ -2,9 +2,9 @@
 
 Request handlers (on the asyncio event loop) submit a ``Job`` -- one request's samples of one
 kind -- and await its future. The worker takes the oldest job, waits up to ``max_wait_s`` *from
-that job's arrival* for more jobs of the same kind, then runs them as one batch of at most
-``max_batch`` samples (a single job larger than that runs alone: the scorer splits it into device
-batches itself). Putting every job of a batch through one ``Scorer`` call is what keeps GRPO
+that job's arrival* for more jobs of the same kind, then runs them as one batch of at most the
+kind's limit in samples (``batch_limits``, default ``max_batch``; a single job larger than that
+runs alone). The scorer splits what it gets into device batches of its own batch size. Putting every job of a batch through one ``Scorer`` call is what keeps GRPO
 groups together: the scorer finds samples with one ``prompt_id`` across requests and prefills
 their shared prefix once.
 

@@ -16,7 +16,7 @@ class ServerMetrics:
     registry: CollectorRegistry
     requests: Counter          # by endpoint and HTTP status
     latency: Histogram         # seconds, by endpoint
-    batch_size: Histogram      # samples per device batch, by kind (score_full, score_p_pass, chat)
+    batch_size: Histogram      # samples per worker batch (one scorer call), by kind (score_full, score_p_pass, chat)
     queue_depth: Gauge         # samples admitted and not yet answered
     samples: Counter           # samples scored, by kind and outcome (ok, error)
 
@@ -29,7 +29,7 @@ class ServerMetrics:
                              registry=r),
             latency=Histogram("rm_jax_request_latency_seconds", "HTTP request latency", ["endpoint"],
                               buckets=LATENCY_BUCKETS, registry=r),
-            batch_size=Histogram("rm_jax_batch_size", "samples per device batch", ["kind"], buckets=BATCH_BUCKETS,
+            batch_size=Histogram("rm_jax_batch_size", "samples per worker batch (one scorer call)", ["kind"], buckets=BATCH_BUCKETS,
                                  registry=r),
             queue_depth=Gauge("rm_jax_queue_depth", "samples admitted and not yet answered", registry=r),
             samples=Counter("rm_jax_samples", "samples processed by kind and outcome", ["kind", "outcome"],
