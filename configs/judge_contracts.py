@@ -51,3 +51,16 @@ TOOL_CALL_ISSUES = ("wrong_tool", "missing_param", "wrong_param", "extra_call", 
 TEXT_ONLY_ISSUES = ("false_completion_claim", "should_have_called_tool",
                     "contradicts_request_or_tool_result", "text_hallucination",
                     "ignores_user_correction")
+
+# The image head of the teacher labeller (rm_jax.label): a separate multimodal teacher that only
+# scores image consistency. It receives every image of the conversation and the response, in
+# order, as thumbnails (the field report's reverse misjudgements came from sending only the first
+# 4: images 5-8 held the evidence).
+IMAGE_CONSISTENCY_CONTRACT = (
+    "You rate how consistent the last response of an image-creation assistant is with the images "
+    "of the conversation: the reference images, the images earlier tool results returned, and the "
+    "images the response itself refers to, all attached in order. 10 means the response agrees "
+    "with every image (colour, shape, count, which file it uses); 0 means it contradicts them. "
+    "Judge only what the images show. "
+    'Answer with one JSON object and nothing else: {"img": an integer 0-10, "reason": one line}.'
+)

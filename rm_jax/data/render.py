@@ -96,9 +96,10 @@ class SpecialTokenGuard:
 
     ZWSP = "\u200b"
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer=None, *, tokens: Sequence[str] = ()):
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         names = {t.content for t in added.values()} | set(getattr(tokenizer, "all_special_tokens", []))
+        names |= set(tokens)   # a teacher's control tokens, when there is no local tokenizer
         self.tokens = tuple(sorted((t for t in names if len(t) > 1), key=len, reverse=True))
 
     def __call__(self, text: str) -> str:
@@ -193,6 +194,25 @@ def build_transcript(sample: Sample, guard=_no_guard) -> _Parts:
     return out
 
 
+def route_of(sample: Sample) -> str:
+    """The contract route: the tool-call contract only when the judged response calls tools."""
+    return ROUTE_TOOL_CALL if sample.response.calls_tools else ROUTE_TEXT_ONLY
+
+
+def contract_for(sample: Sample, cfg: RenderConfig) -> str:
+    return cfg.tool_contract if route_of(sample) == ROUTE_TOOL_CALL else cfg.text_contract
+
+
+def judge_chat(sample: Sample, cfg: RenderConfig, guard=_no_guard) -> tuple[list[dict], list[ImageRef]]:
+    """system = the routed contract, user = the transcript (``{"type": "image"}`` parts in place,
+    the images in order). The judge (via its chat template) and the teacher labeller
+    (rm_jax.label, via an OpenAI-compatible server) both read this."""
+    transcript = build_transcript(sample, guard)
+    chat = [{"role": "system", "content": contract_for(sample, cfg)},
+            {"role": "user", "content": transcript.parts}]
+    return chat, transcript.images
+
+
 # ---------------------------------------------------------------- renderer
 
 
@@ -218,14 +238,10 @@ class Renderer:
         return cls(tok, pre, RenderConfig.from_config(data_cfg))
 
     def route(self, sample: Sample) -> str:
-        return ROUTE_TOOL_CALL if sample.response.calls_tools else ROUTE_TEXT_ONLY
+        return route_of(sample)
 
     def judge_chat(self, sample: Sample) -> tuple[list[dict], list[ImageRef]]:
-        contract = self.cfg.tool_contract if self.route(sample) == ROUTE_TOOL_CALL else self.cfg.text_contract
-        transcript = build_transcript(sample, self.guard)
-        chat = [{"role": "system", "content": contract},
-                {"role": "user", "content": transcript.parts}]
-        return chat, transcript.images
+        return judge_chat(sample, self.cfg, self.guard)
 
     def prompt_text(self, sample: Sample) -> tuple[str, list[ImageRef]]:
         chat, refs = self.judge_chat(sample)

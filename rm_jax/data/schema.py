@@ -360,6 +360,12 @@ def parse_line(raw: bytes, *, line: int, base_dir: str, require_label: bool = Tr
 
 def read_samples(path: str, *, require_label: bool = True) -> Iterator[Sample | Reject]:
     """Every non-blank line of a JSONL file as a Sample or a Reject; duplicate ids are rejected."""
+    for item, _ in read_rows(path, require_label=require_label):
+        yield item
+
+
+def read_rows(path: str, *, require_label: bool = True) -> Iterator[tuple[Sample | Reject, bytes]]:
+    """`read_samples` with each row's raw line (the labeller writes the input row back as it was)."""
     base_dir = os.path.dirname(os.path.abspath(path))
     seen: set[str] = set()
     for line, raw in iter_jsonl(path):
@@ -371,4 +377,4 @@ def read_samples(path: str, *, require_label: bool = True) -> Iterator[Sample | 
                 item = Reject(line, item.id, "duplicate_id", f"line {line}, id {item.id}, field id: duplicate id")
             else:
                 seen.add(item.id)
-        yield item
+        yield item, raw

@@ -750,10 +750,47 @@ def generate(cfg: SynthConfig, out_dir: str) -> list[dict]:
             sample = {"id": f"{prompt.prompt_id}-s{j}", "prompt_id": prompt.prompt_id,
                       "messages": prompt.messages, "tools": prompt.tools, "response": judged.response}
             if not judged.response["tool_calls"]:
-                sample["reference_reply"] = prompt.reference_reply or judged.response["content"]
+                # Its own generator: the reference never shifts any other draw (same seed, same
+                # samples as before apart from this field).
+                ref_rng = np.random.default_rng((cfg.seed, k, 2, j))
+                sample["reference_reply"] = online_reply(ref_rng, judged.response["content"],
+                                                         prompt.reference_reply, fail)
             sample["label"] = _label(rrng, judged.verdict, has_image)
             samples.append(_articles(sample))
     return samples
+
+
+# Words an online reply adds or swaps in: wording noise that carries no content.
+_FILLER = ("sure", "now", "just", "also", "here", "okay", "then", "really", "quickly", "again",
+           "please", "great")
+_OPENERS = ("Sure! ", "Okay, ", "Thanks for waiting. ", "Right, ", "Of course. ")
+
+
+def online_reply(rng: np.random.Generator, response: str, correct: str | None, fail: bool) -> str:
+    """The reply that "really went out" for a text-only prompt (the field report's §5 check).
+
+    Online replies were mostly right, so a passing response reads like the reply that went out
+    (its own text, lightly reworded: character similarity mostly 0.6-1.0), and a failing one
+    differs from it (the prompt's correct reply, more heavily reworded: mostly 0.2-0.7). The
+    teacher's fail rate must therefore fall as similarity rises; flat rates mean label noise.
+    The judge never reads this field (render.py ignores it)."""
+    base = response if not fail or not correct else correct
+    strength = rng.uniform(0.0, 0.3) if not fail else rng.uniform(0.3, 0.8)
+    words: list[str] = []
+    for w in base.split():
+        r = rng.random()
+        if r < strength / 3:
+            continue                                      # drop
+        if r < 2 * strength / 3:
+            words.append(_pick(rng, _FILLER))             # swap
+            continue
+        if r < strength:
+            words.append(_pick(rng, _FILLER))             # insert
+        words.append(w)
+    text = " ".join(words) or base
+    if rng.random() < strength:
+        text = _pick(rng, _OPENERS) + text
+    return text
 
 
 _A_VOWEL = re.compile(r"\b([Aa]) (?=orange\b)")
@@ -794,8 +831,6 @@ def corpus_texts(samples: list[dict]) -> list[str]:
         for call in resp.get("tool_calls") or []:
             args = call["function"]["arguments"]
             texts.append(json.dumps({"name": call["function"]["name"], "arguments": args}, ensure_ascii=False))
-        if s.get("reference_reply"):
-            texts.append(s["reference_reply"])
         lab = s["label"]
         texts.append("{" + ", ".join(f"{json.dumps(key)}: {json.dumps(lab[key], ensure_ascii=False)}"
                                      for key in ("l3", "reason", "issues", "img")) + "}")
