@@ -112,7 +112,9 @@ def test_two_processes_equal_one_and_resume_after_kill9(built_shards, tmp_path):
     procs = _start_pair(crash, shards, env2, logs)
     deadline = time.time() + 600
     while not (crash / "checkpoints" / "2").is_dir():
-        assert all(p.poll() is None for p in procs), "a process ended before it could be killed"
+        if any(p.poll() is not None for p in procs):
+            tails = "\n".join(open(logs / f"crash.{i}.log").read()[-3000:] for i in range(2))
+            raise AssertionError(f"a process ended before it could be killed:\n{tails}")
         assert time.time() < deadline
         time.sleep(0.05)
     for p in procs:

@@ -348,6 +348,9 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
             logging.info("compiled train step in %.1fs (length %d); memory per device: %s", time.time() - t0,
                          first.batch.target_mask.shape[-1], _memory_line(compiled.memory_analysis()))
     pending = first
+    # Processes finish compiling at different times (or one hits the compilation cache); meet
+    # before the first collective: CPU (gloo) collectives time out on a peer ~30 s late.
+    distributed.sync("train_step_compiled")
 
     from tqdm import tqdm
     show = sys.stderr.isatty() if progress is None else progress
@@ -459,6 +462,7 @@ def evaluate(builder: StepBuilder, cfg, mcfg, state, plan: RunPlan, mesh,
     ``val_fail_f1``, ``val_accuracy``, ``val_majority_baseline``, ``val_off_vocab_mass``)."""
     stream = BatchStream(cfg.data.dir, "heldout", loader_config(cfg, plan, split="heldout"), 1)
     total, count = 0.0, 0.0
+    first = True
     labels, p_pass, off_vocab = [], [], []
     limit = int(cfg.train.eval_batches)
     for i, micro in enumerate(stream.it):
@@ -466,6 +470,17 @@ def evaluate(builder: StepBuilder, cfg, mcfg, state, plan: RunPlan, mesh,
             break
         batch = assemble(mcfg, [micro], frame_capacity(cfg, mcfg)).batch
         dev = host_batch_to_device(batch, builder.batch_shardings(batch))
+        if first and jax.process_count() > 1:    # the eval step compiles on first use, each process at its pace
+            fn = builder.jit_eval() if verdict is None else builder.jit_eval_verdict()
+            with jax.set_mesh(mesh):
+                if verdict is None:
+                    fn.lower(state.params, builder.rest, dev).compile()
+                else:
+                    slot = place(np.zeros(micro["verdict_pos"].shape, np.int32),
+                                 NamedSharding(mesh, PartitionSpec(dev.inputs.kv_lengths_b.sharding.spec[1])))
+                    fn.lower(state.params, builder.rest, dev, slot, verdict.pass_id, verdict.fail_id).compile()
+            distributed.sync("eval_step_compiled")
+            first = False
         if verdict is None:
             with jax.set_mesh(mesh):
                 m = jax.device_get(builder.jit_eval()(state.params, builder.rest, dev))
