@@ -447,3 +447,20 @@ def test_validation_reads_the_scorers_p_pass_at_the_verdict_slot(tiny_cfg, synth
     assert 0.0 <= with_judge["val_middle_zone"] <= 1.0
     assert loop.VerdictSlot.from_manifest({"verdict_tokens": {"pass_id": 1, "fail_id": 2},
                                            "field_order": ["reason", "issues", "img", "l3"]}) is None
+
+
+def test_validation_and_nonfinite_check_run_on_their_own_cadence(tiny_cfg, built_shards, tmp_path):
+    """eval_every is independent of log_every: a validation step that is not a logging step
+    still validates (and writes its row), and the non-finite-loss check runs there too."""
+    cfg = _cfg(tiny_cfg, built_shards[0], steps=5, log_every=4, eval_every=3, checkpoint_every=0)
+    loop.run(cfg, str(tmp_path / "cadence"), progress=False)
+    rows = read_metrics(str(tmp_path / "cadence"))
+    assert [r["step"] for r in rows] == [3, 4, 5]            # 3: validation, 4: log, 5: last
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 5]
+    assert all(np.isfinite(r["loss"]) for r in rows)
+    # A run diverging after step 2 (lr 1e30 once the one-step warmup is over) that logs only at
+    # its last step (5): the step-3 validation stops it.
+    cfg = _cfg(tiny_cfg, built_shards[0], steps=5, log_every=0, eval_every=3, checkpoint_every=0, lr=1e30,
+               warmup_steps=1)
+    with pytest.raises(FloatingPointError, match=r"step 3: training loss is (nan|inf)"):
+        loop.run(cfg, str(tmp_path / "nan"), progress=False)
