@@ -67,10 +67,19 @@ def plan_run(train_cfg, stream_len: int) -> RunPlan:
 
 
 def model_config(cfg) -> ModelConfig:
+    """The typed model config of a run; the run-time choices are validated here, once, by name."""
+    from rm_jax.model.layers import ATTENTION_IMPLS
+    from rm_jax.model.moe import BACKENDS, RAGGED_DOT_IMPLS
     t = cfg.train
+    choices = {"train.attention": (t.get("attention", "auto"), ATTENTION_IMPLS),
+               "moe.backend": (cfg.moe.backend, BACKENDS),
+               "moe.ragged_dot": (cfg.moe.get("ragged_dot", "auto"), RAGGED_DOT_IMPLS)}
+    for field, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"{field}={value!r}; expected one of {tuple(allowed)}")
     runtime = RuntimeOptions(dtype=t.dtype, param_dtype=t.param_dtype, remat=t.remat,
                              scan_layers=bool(t.scan_layers), moe_backend=cfg.moe.backend,
-                             attention=t.get("attention", "auto"))
+                             ragged_dot=cfg.moe.get("ragged_dot", "auto"), attention=t.get("attention", "auto"))
     return ModelConfig.from_hf_dict(cfg.model.to_dict(), runtime)
 
 
