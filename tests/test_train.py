@@ -452,13 +452,18 @@ def test_validation_reads_the_scorers_p_pass_at_the_verdict_slot(tiny_cfg, synth
 
 def test_validation_and_nonfinite_check_run_on_their_own_cadence(tiny_cfg, built_shards, tmp_path):
     """eval_every is independent of log_every: a validation step that is not a logging step
-    still validates (and writes its row), and the non-finite-loss check runs there too."""
+    still validates and writes its row (the non-finite check there: the next test)."""
     cfg = _cfg(tiny_cfg, built_shards[0], steps=5, log_every=4, eval_every=3, checkpoint_every=0)
     loop.run(cfg, str(tmp_path / "cadence"), progress=False)
     rows = read_metrics(str(tmp_path / "cadence"))
     assert [r["step"] for r in rows] == [3, 4, 5]            # 3: validation, 4: log, 5: last
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 5]
     assert all(np.isfinite(r["loss"]) for r in rows)
+
+
+@pytest.mark.slow   # a second training compile (~30-60 s); `make test-slow`
+def test_nonfinite_loss_check_runs_at_validation_steps(tiny_cfg, built_shards, tmp_path):
+    """The non-finite-loss check runs at a validation step that is not a logging step."""
     # A run diverging after step 2 (lr 1e30 once the one-step warmup is over) that logs only at
     # its last step (5): the step-3 validation stops it.
     cfg = _cfg(tiny_cfg, built_shards[0], steps=5, log_every=0, eval_every=3, checkpoint_every=0, lr=1e30,
@@ -485,7 +490,7 @@ def _merge_micro(micro: list[dict]) -> dict:
 
 def test_grad_accumulation_equals_one_large_batch(tiny_cfg, built_shards):
     """4 microbatches of 4 = one batch of 16 (fp32): the loss (each microbatch's token sum over
-    the step's global token count), the gradients and the AdamW update. The load-balancing term
+    the step's global token count), the gradient norm and the AdamW update. The load-balancing term
     is off: it is a per-microbatch statistic averaged over microbatches, not a big-batch one."""
     cfg = _cfg(tiny_cfg, built_shards[0], global_batch=16, grad_accum=4)
     mesh = loop.make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=4)
@@ -498,33 +503,25 @@ def test_grad_accumulation_equals_one_large_batch(tiny_cfg, built_shards):
     large = loop.assemble(mcfg, [_merge_micro(micro)], capacity).batch
     assert accumulated.target_mask.shape[:2] == (4, 4) and large.target_mask.shape[:2] == (1, 16)
     assert sum(int(b["image_grid_thw"].prod(-1).astype(bool).sum()) for b in micro) > 0     # images included
-    ocfg = optim.OptimConfig(lr=1e-3, warmup_steps=1, total_steps=3)
+    import optax
+    lr = 1e-3
     out = {}
     for name, batch in (("accumulated", accumulated), ("large", large)):
-        builder = StepBuilder(model, optim.make_optimizer(ocfg, model), StepConfig(LossConfig(96, 512)), mesh,
-                              optim.schedule(ocfg))
+        # constant-lr AdamW: the first step already moves the parameters (one compile per case)
+        builder = StepBuilder(model, optax.adamw(lr, b1=0.9, b2=0.95), StepConfig(LossConfig(96, 512)), mesh)
         state = builder.init_state()
         before = jax.device_get(state.params)
         dev = host_batch_to_device(batch, builder.batch_shardings(batch))
         with jax.set_mesh(mesh):
-            grads, metrics = jax.jit(lambda p, r, b: builder._accumulate(p, r, b, with_grad=True))(
-                builder._params, builder.rest, dev)
-            fn = builder.jit_train(state, dev)
-            for _ in range(2):       # step 1 has lr 0 (warmup): step 2 moves the parameters
-                state, m = fn(state, builder.rest, dev)
+            state, m = builder.jit_train(state, dev)(state, builder.rest, dev)
         moved = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), jax.device_get(state.params), before)
-        out[name] = (jax.device_get(metrics), jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(moved),
-                     jax.device_get(m))
-    (ma, ga, ua, sa), (ml, gl, ul, sl) = out["accumulated"], out["large"]
+        out[name] = (jax.device_get(m), jax.tree.leaves(moved))
+    (ma, ua), (ml, ul) = out["accumulated"], out["large"]
     assert ma["target_tokens"] == ml["target_tokens"] > 0
     np.testing.assert_allclose(ma["loss"], ml["loss"], rtol=1e-6)
-    np.testing.assert_allclose(sa["loss"], sl["loss"], rtol=1e-6)
-    np.testing.assert_allclose(sa["grad_norm"], sl["grad_norm"], rtol=1e-5)
-    for a, b in zip(ga, gl):
-        scale = float(np.abs(b).max()) or 1.0
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)     # fp32 summation order only
-    assert any(float(np.abs(u).max()) > 0 for u in ul)
+    np.testing.assert_allclose(ma["grad_norm"], ml["grad_norm"], rtol=1e-5)     # fp32 summation order only
+    assert any(float(np.abs(u).max()) > 0.5 * lr for u in ul)
     for a, b in zip(ua, ul):
-        # Adam divides by sqrt(v): where a gradient entry is near zero its summation-order noise
-        # shows in m/sqrt(v) (measured: 1 entry in 4096 off by 0.4% of lr); held to 1% of lr.
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 * ocfg.lr)
+        # Adam's first step is lr * g / (|g| + eps): where a gradient entry is near zero its
+        # summation-order noise shows; held to 1% of lr (measured: 1 entry in 4096 at 0.4%).
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 * lr)
