@@ -388,6 +388,13 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
                     raise FloatingPointError(f"step {step}: training loss is {m['loss']} (grad_norm "
                                              f"{m.get('grad_norm')}); stopping instead of training on it. "
                                              f"The last good checkpoint is kept in {ckpt.directory}")
+                # Host counters of this process's slice, summed over processes (one exchange per row);
+                # timed before the validation, which is not training throughput.
+                tokens, samples, fails = distributed.allgather_host(
+                    np.array([tokens_since, samples_since, fails_since], np.int64)).sum(0).tolist()
+                dt = max(time.time() - t_log, 1e-9)
+                m.update(tokens_per_s=tokens / dt, samples_per_s=samples / dt,
+                         fail_share=fails / max(samples, 1), epoch=step / plan.steps_per_epoch)
             if eval_now:
                 val = evaluate(builder, cfg, mcfg, state, plan, mesh, verdict)
                 if not np.isfinite(val["val_loss"]):
@@ -395,12 +402,6 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
                                              f"The last good checkpoint is kept in {ckpt.directory}")
                 m.update(val)
             if log_now or eval_now:
-                # Host counters of this process's slice, summed over processes (one exchange per row).
-                tokens, samples, fails = distributed.allgather_host(
-                    np.array([tokens_since, samples_since, fails_since], np.int64)).sum(0).tolist()
-                dt = max(time.time() - t_log, 1e-9)
-                m.update(tokens_per_s=tokens / dt, samples_per_s=samples / dt,
-                         fail_share=fails / max(samples, 1), epoch=step / plan.steps_per_epoch)
                 if writer is not None:
                     writer.write(step, m)
                 bar.set_postfix(loss=f"{m['loss']:.4f}")
