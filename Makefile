@@ -23,7 +23,7 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
-BENCHMARKS := data_throughput forward_vs_hf moe_flops train_vs_hf score_vs_hf memory_plan gdn_vs_hf serve_load
+BENCHMARKS := data_throughput forward_vs_hf moe_flops train_vs_hf score_vs_hf memory_plan gdn_vs_hf serve_load gpu_check
 
 bench: $(STAMP)
 	for b in $(BENCHMARKS); do $(BIN)/python -m benchmarks.$$b || exit 1; done

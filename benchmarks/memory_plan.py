@@ -113,9 +113,10 @@ def make_chunked_attention(orig, block: int):
         s, k = key.shape[1], key.shape[2]
         if bias is not None or query_seq_lengths is not None or local_window_size is not None \
                 or return_residual or t % block or t <= block:
+            # (the stand-in is the flash kernel: a cuDNN request from the config runs as XLA on CPU)
             return orig(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-                        local_window_size=local_window_size, implementation=implementation,
+                        local_window_size=local_window_size, implementation=None,
                         return_residual=return_residual)
         g, nb = n // k, t // block
         scale = h ** -0.5 if scale is None else scale
@@ -232,10 +233,12 @@ def compile_variant(name, f):
     base, _, acc = name.partition("@")      # "fsdp8@1": variant fsdp8 with grad_accum 1
     axes, backend, images, rules = VARIANTS[base]
     cfg = qwen3_vl_30b_a3b.get_config()
+    as_configured = (dict(cfg.mesh), cfg.moe.backend)
     cfg.moe.backend = backend
-    # The GPU path: "auto" resolves to jax.nn.dot_product_attention off CPU (the CPU-only blocked
-    # attention would hide the full-length call that --attention=chunked stands in for).
-    cfg.train.attention = "xla"
+    # The config's attention (cuDNN flash) is what --attention=chunked stands in for;
+    # --attention=xla compiles XLA's [B, N, T, S] attention instead.
+    if f.attention == "xla":
+        cfg.train.attention = "xla"
     cfg.mesh = type(cfg.mesh)({**dict(data=1, fsdp=1, expert=1, tensor=1), **axes})
     a, gb, t = int(acc or f.grad_accum), f.global_batch, f.seq
     cfg.train.grad_accum = a
@@ -243,9 +246,12 @@ def compile_variant(name, f):
     mcfg = loop.model_config(cfg)
     mesh = make_mesh(cfg.mesh, num_experts=mcfg.text.num_experts, global_batch=b)
     patches = f.patches_per_sample * b if images else 0
+    compiled_cfg = compiled_config(cfg, f)
+    same = (dict(cfg.mesh), backend) == as_configured and rules is None and a == 4 and t == 8192 and not images
     log(f"[{name}] mesh {dict(mesh.shape)} backend {backend}; A={a} microbatch {b} x {t}; "
-        f"patches/microbatch {patches}; dtype {cfg.train.dtype} master {cfg.train.param_dtype} "
-        f"remat {cfg.train.remat}")
+        f"patches/microbatch {patches}")
+    log(f"[{name}] compiled config: " + " ".join(f"{k}={v}" for k, v in compiled_cfg.items())
+        + (" (= configs/qwen3_vl_30b_a3b.py)" if same else " (differs from configs/qwen3_vl_30b_a3b.py)"))
 
     t0 = time.time()
     model = judge_lib.abstract_model(mcfg)
@@ -298,7 +304,22 @@ def compile_variant(name, f):
                 patches_per_microbatch=patches, n_params=n_params, weights_gib=w_bytes / GIB,
                 optimizer_gib=o_bytes / GIB, args_gib=args / GIB, temp_gib=temp / GIB, output_gib=out / GIB,
                 alias_gib=alias / GIB, peak_gib_per_device=peak / GIB, compile_s=compile_s,
-                raw_flops_per_device=float(cost.get("flops", 0.0)), mcfg=mcfg, n_devices=mesh.size)
+                raw_flops_per_device=float(cost.get("flops", 0.0)), mcfg=mcfg, n_devices=mesh.size,
+                config=compiled_cfg, same_as_30b_config=same)
+
+
+def compiled_config(cfg, f) -> dict:
+    """The run-time choices this variant compiled, as config keys (and the CPU stand-ins used)."""
+    t = cfg.train
+    keys = {"mesh": ",".join(f"{k}={v}" for k, v in dict(cfg.mesh).items() if v != 1) or "single",
+            "moe.backend": cfg.moe.backend, "moe.ragged_dot": cfg.moe.ragged_dot, "train.attention": t.attention,
+            "train.grad_accum": t.grad_accum, "train.global_batch": t.global_batch, "train.dtype": t.dtype,
+            "train.param_dtype": t.param_dtype, "train.mu_dtype": t.mu_dtype, "train.nu_dtype": t.nu_dtype,
+            "train.expert_grad_dtype": t.expert_grad_dtype, "train.expert_accum_dtype": t.expert_accum_dtype,
+            "train.remat": t.remat}
+    keys["cpu_stand_ins"] = ",".join(x for x, on in (("ragged_dot", f.gpu_kernels),
+                                                      ("flash_attention", f.attention == "chunked")) if on) or "none"
+    return keys
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,7 +461,8 @@ def main(argv):
                             "args_gib": round(r["args_gib"], 2), "temp_gib": round(r["temp_gib"], 2),
                             "grad_accum": r["grad_accum"], "mesh": r["mesh"], "backend": r["backend"],
                             "patches_per_microbatch": r["patches_per_microbatch"],
-                            "compile_s": round(r["compile_s"], 1)} for n, r in results.items()},
+                            "compile_s": round(r["compile_s"], 1), "config": r["config"],
+                            "same_as_30b_config": r["same_as_30b_config"]} for n, r in results.items()},
            "peak_gib_per_device": {n: round(r["peak_gib_per_device"], 2) for n, r in results.items()},
            "goal_gib": 80, "report_s_per_step": round(REPORT_S_PER_STEP, 2), "report_peak_gib": 87,
            "gpu_kernels": f.gpu_kernels, "attention": f.attention, "seq": f.seq,

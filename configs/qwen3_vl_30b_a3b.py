@@ -77,5 +77,10 @@ def get_config() -> ml_collections.ConfigDict:
                           max_target_tokens=192,
                           vocab_chunk=16384, max_patches=32 * 4096, max_images=64,
                           checkpoint_every=100, eval_every=100, eval_batches=0,
-                          verdict_weight=1.0))       # the report trained plain token-mean SFT
+                          verdict_weight=1.0,        # the report trained plain token-mean SFT
+                          # What benchmarks/memory_plan.py measured (73.8 GiB per GPU at A=4):
+                          # flash attention and a grouped-matmul kernel. Explicit, so an
+                          # ineligible input fails instead of running XLA's [B, N, T, S] attention.
+                          attention="cudnn"))
+    cfg.moe.ragged_dot = "tokamax"
     return cfg

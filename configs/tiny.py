@@ -106,7 +106,7 @@ def train_config() -> ml_collections.ConfigDict:
         expert_grad_dtype="",        # expert-weight gradient dtype ("" = param dtype; bfloat16 saves memory)
         expert_accum_dtype="",       # dtype expert gradients are summed in over microbatches ("" = param dtype)
         remat="none",
-        attention="auto",            # attention: the CPU kernel on CPU (query-blocked causal), dot_product_attention on GPU
+        attention="auto",            # auto (CPU: the blocked kernel; GPU: cuDNN flash when eligible, else XLA) | cudnn | xla | blocked
         scan_layers=True,
         # Loss weight of the verdict token (1.0 = plain token mean). A random-init judge learns the
         # reason's easy tokens first; weighting the one token the reward reads lifted held-out AUC
@@ -141,6 +141,8 @@ def get_config() -> ml_collections.ConfigDict:
     # data=-1: all devices not claimed by the other axes (1 CPU here, 8 emulated in tests).
     cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1))
     cfg.train = train_config()
-    cfg.moe = ml_collections.ConfigDict(dict(backend="ragged", lb_coef=0.01, z_coef=0.0))
+    # backend: ragged (experts FSDP-sharded) | ep_ring | dense (test oracle). ragged_dot, the grouped
+    # matmul: auto (CPU: the tiled loop; GPU: tokamax) | tokamax | lax | tiled.
+    cfg.moe = ml_collections.ConfigDict(dict(backend="ragged", ragged_dot="auto", lb_coef=0.01, z_coef=0.0))
     cfg.seed = 0
     return cfg

@@ -67,3 +67,28 @@ def define_reward_flags():
                               RulePenalties(gate_reward=f_gate.value, missing_required=f_missing.value,
                                             duplicate_call=f_dup.value))
     return values
+
+
+def define_cluster_flags():
+    """--coordinator_address/--num_processes/--process_id (all three, explicitly, or none: launch
+    safety, rm_jax.train.distributed). Returns a function giving the ``ClusterFlags``."""
+    from absl import flags
+    coord = flags.DEFINE_string("coordinator_address", "", "multi-host: coordinator host:port")
+    nproc = flags.DEFINE_integer("num_processes", 1, "multi-host: number of processes")
+    pid = flags.DEFINE_integer("process_id", 0, "multi-host: this process's id")
+
+    def values():
+        from rm_jax.train.distributed import ClusterFlags
+        return ClusterFlags(coord.value, nproc.value, pid.value)
+    return values
+
+
+def refuse_multi_process(job: str, cluster) -> None:
+    """Jobs that run in one process say so instead of joining a cluster half-way."""
+    from absl import app
+    if cluster.multi_host or cluster.num_processes != 1 or cluster.process_id != 0:
+        raise app.UsageError(
+            f"launch.{job} runs in one process and does not join a cluster (got --coordinator_address="
+            f"{cluster.coordinator_address!r} --num_processes={cluster.num_processes} --process_id="
+            f"{cluster.process_id}): run it once, on one host; it rebuilds the run's mesh over that host's "
+            "devices (falling back to data parallelism over fewer devices, logged)")

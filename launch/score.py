@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from launch.common import define_reward_flags, quiet_library_info
+from launch.common import define_cluster_flags, define_reward_flags, quiet_library_info, refuse_multi_process
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training workdir", required=True)
 _STEP = flags.DEFINE_integer("step", None, "checkpoint step (default: the sweep's choice, else latest)")
@@ -21,11 +21,13 @@ _OUT = flags.DEFINE_string("out", None, "output JSONL", required=True)
 _TOKENIZER = flags.DEFINE_string("tokenizer", "", "tokenizer dir (default: the one the training data used)")
 _BATCH = flags.DEFINE_integer("batch_size", 16, "scoring batch")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "decoding budget after the verdict")
+_CLUSTER = define_cluster_flags()   # refused: this job runs in one process
 _REWARD = define_reward_flags()
 
 
 def main(argv):
     del argv
+    refuse_multi_process("score", _CLUSTER())
     quiet_library_info()
     from rm_jax.score.run import score_file
 

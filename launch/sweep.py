@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from launch.common import define_reward_flags, quiet_library_info
+from launch.common import define_cluster_flags, define_reward_flags, quiet_library_info, refuse_multi_process
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training workdir (holds checkpoints/)", required=True)
 _DATA = flags.DEFINE_string("data", None, "built shard directory (launch.build_data --out)", required=True)
@@ -19,11 +19,13 @@ _BATCH = flags.DEFINE_integer("batch_size", 16, "scoring batch")
 _AUC_TOL = flags.DEFINE_float("auc_tolerance", 0.015, "selection: AUC within this of the best")
 _MIN_MZ = flags.DEFINE_float("min_middle_zone", 0.05, "selection: minimum middle-zone share")
 _OBJECTIVE = flags.DEFINE_enum("objective", "fail_f1", ["fail_f1", "auc", "val_loss"], "selection objective")
+_CLUSTER = define_cluster_flags()   # refused: this job runs in one process
 _REWARD = define_reward_flags()   # the reward validation of the chosen step
 
 
 def main(argv):
     del argv
+    refuse_multi_process("sweep", _CLUSTER())
     quiet_library_info()
     from rm_jax.eval.selection import SelectionRule
     from rm_jax.eval.sweep import run_sweep

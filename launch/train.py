@@ -14,12 +14,10 @@ import json
 
 from absl import app, flags
 
-from launch.common import define_config_flag, quiet_library_info
+from launch.common import define_cluster_flags, define_config_flag, quiet_library_info
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory", required=True)
-_COORD = flags.DEFINE_string("coordinator_address", "", "multi-host: coordinator host:port")
-_NPROC = flags.DEFINE_integer("num_processes", 1, "multi-host: number of processes")
-_PID = flags.DEFINE_integer("process_id", 0, "multi-host: this process's id")
+_CLUSTER = define_cluster_flags()
 _CONFIG = define_config_flag()
 
 
@@ -30,7 +28,7 @@ def main(argv):
     quiet_library_info()
     from rm_jax.train import distributed, loop
 
-    line = distributed.initialize(distributed.ClusterFlags(_COORD.value, _NPROC.value, _PID.value))
+    line = distributed.initialize(_CLUSTER())
     result = loop.run(_CONFIG.value, _WORKDIR.value, cluster_line=line)
     print(json.dumps({k: v for k, v in result.items() if k != "last_metrics"} | {"last": result["last_metrics"]},
                      default=str))

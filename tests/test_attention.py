@@ -78,3 +78,56 @@ def test_vision_frame_slots_round_trip_and_capacity():
     assert frame_slots(lens, n_rows, capacity=None)[0].shape == (4, 64)   # power-of-two bucket
     with pytest.raises(ValueError, match="frame capacity 16"):
         frame_slots(lens, n_rows, capacity=16)
+
+
+def test_attention_auto_picks_cudnn_flash_only_when_eligible():
+    """train.attention=auto: the CPU kernel on CPU; on a CUDA GPU cuDNN flash for bf16/fp16 with
+    a head dim it has kernels for and key lengths, else XLA's attention with the reason (a pure
+    function of platform, dtype, head_dim and masking). An explicit choice is kept as is."""
+    from rm_jax.model.layers import choose_attention
+    assert choose_attention("auto", "cpu", "bfloat16", 128) == ("blocked", "CPU")
+    for dtype in ("bfloat16", "float16"):
+        for head_dim in (64, 72, 128):          # the 30B text (128) and ViT (72) head dims
+            assert choose_attention("auto", "gpu", dtype, head_dim) == ("cudnn", "eligible")
+    impl, why = choose_attention("auto", "gpu", "float32", 128)
+    assert impl == "xla" and "float32" in why
+    for head_dim in (100, 256):
+        impl, why = choose_attention("auto", "gpu", "bfloat16", head_dim)
+        assert impl == "xla" and f"head_dim {head_dim}" in why
+    impl, why = choose_attention("auto", "gpu", "bfloat16", 128, dense_mask=True)
+    assert impl == "xla" and "mask" in why
+    assert choose_attention("auto", "tpu", "bfloat16", 128)[0] == "xla"
+    for explicit in ("cudnn", "xla", "blocked"):
+        assert choose_attention(explicit, "gpu", "float32", 100) == (explicit, "requested")
+    with pytest.raises(ValueError, match="train.attention='flash'"):
+        choose_attention("flash", "gpu", "bfloat16", 128)
+
+
+def test_gpu_choices_are_config_keys_validated_by_name(tiny_cfg):
+    """moe.ragged_dot and train.attention reach the model's layers; a bad value names its field.
+    The 30B config runs what the memory plan measured: cuDNN flash and tokamax."""
+    import os
+    from launch.common import load_config
+    from rm_jax.model import judge
+    from rm_jax.train import loop
+    cfg = tiny_cfg.copy_and_resolve_references()
+    cfg.moe.ragged_dot, cfg.train.attention = "lax", "xla"
+    from flax import nnx
+
+    from rm_jax.model.layers import Attention
+    from rm_jax.model.moe import SparseMoeBlock
+    model = judge.abstract_model(loop.model_config(cfg))
+    nodes = [node for _, node in nnx.iter_graph(model)]
+    moes = [n for n in nodes if isinstance(n, SparseMoeBlock)]
+    attns = [n for n in nodes if isinstance(n, Attention)]
+    assert moes and all(m.cfg.ragged_dot == "lax" for m in moes)
+    assert attns and all(a.impl == "xla" for a in attns)
+    for field, value in (("moe.ragged_dot", "cublas"), ("train.attention", "flash"), ("moe.backend", "a2a")):
+        bad = tiny_cfg.copy_and_resolve_references()
+        section, key = field.split(".")
+        bad[section][key] = value
+        with pytest.raises(ValueError, match=rf"{field}='{value}'"):
+            loop.model_config(bad)
+    big = load_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "qwen3_vl_30b_a3b.py"))
+    assert (big.train.attention, big.moe.ragged_dot, big.moe.backend, dict(big.mesh)["fsdp"]) == \
+        ("cudnn", "tokamax", "ragged", 8)

@@ -27,3 +27,17 @@ def test_entry_point_starts(name):
     # absl's help exits with status 1 after printing usage; a broken module prints a traceback.
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.returncode in (0, 1) and f"launch.{name}" in proc.stdout and "  --" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("name, args", [("score", ["--workdir=W", "--input=I", "--out=O"]),
+                                        ("sweep", ["--workdir=W", "--data=D"])])
+def test_single_process_jobs_refuse_cluster_flags(name, args):
+    """launch.score and launch.sweep run in one process: given cluster flags they refuse, naming
+    the flags, before loading anything (they never join a cluster half-way)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", f"launch.{name}", *args, "--coordinator_address=127.0.0.1:1234",
+                           "--num_processes=2", "--process_id=0"], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"launch.{name} runs in one process and does not join a cluster" in proc.stderr, proc.stderr[-2000:]
+    assert "--num_processes=2" in proc.stderr

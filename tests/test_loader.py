@@ -54,14 +54,27 @@ def test_static_shapes_and_padding(built_shards):
         assert (b["target_mask"] <= b["attention_mask"]).all()
 
 
-def test_process_sharding_partitions_the_stream(built_shards):
+def test_process_slices_are_the_one_process_batch(built_shards):
+    """Process p's batch i is rows [p*B/P, (p+1)*B/P) of the one-process batch i, so the slices
+    in process order are that batch. A finite stream is padded to whole global batches: every
+    process yields the same number of batches (none can stop early and hang a collective)."""
     out, _ = built_shards
-    full = [int(b["input_ids"][0].sum()) for b in
-            loader.make_iterator(loader.make_dataset(out, "train", _cfg(batch_size=1, num_epochs=1, drop_remainder=False)))]
-    parts = []
-    for p in range(2):
-        ds = loader.make_dataset(out, "train", _cfg(batch_size=2, num_epochs=1, drop_remainder=False,
-                                                    process_index=p, process_count=2))
-        parts.append([int(x.sum()) for b in loader.make_iterator(ds) for x, v in zip(b["input_ids"], b["example_valid"]) if v])
-    assert sorted(parts[0] + parts[1]) == sorted(full)
-    assert parts[0] == full[0::2] and parts[1] == full[1::2]
+    for split, kw in (("train", dict(num_epochs=None)), ("heldout", dict(num_epochs=1, shuffle=False,
+                                                                           drop_remainder=False))):
+        one = loader.make_iterator(loader.make_dataset(out, split, _cfg(batch_size=4, buckets=(1024,), **kw)))
+        parts = [list(loader.make_iterator(loader.make_dataset(
+            out, split, _cfg(batch_size=4, buckets=(1024,), process_index=p, process_count=2, **kw))))
+            if split == "heldout" else None for p in range(2)]
+        if split == "train":
+            its = [loader.make_iterator(loader.make_dataset(
+                out, split, _cfg(batch_size=4, buckets=(1024,), process_index=p, process_count=2, **kw))) for p in range(2)]
+            parts = [_take(it, 6) for it in its]
+            whole = _take(one, 6)
+        else:
+            whole = list(one)
+        assert len(parts[0]) == len(parts[1]) == len(whole)
+        for w, a, b in zip(whole, *parts):
+            for key in ("input_ids", "target_mask", "label", "example_valid"):
+                np.testing.assert_array_equal(np.concatenate([a[key], b[key]]), w[key])
+    held = records.load_index(out, "heldout")["label"]
+    assert sum(int(b["example_valid"].sum()) for b in whole) == len(held)

@@ -162,3 +162,43 @@ def test_image_token_cap(renderer):
     assert capped.tokens_for(300, 200) == out.tokens_per_image[0]
     assert thumbnail(Image.new("RGB", (2048, 1024)), 512).size == (512, 256)
     assert thumbnail(Image.new("RGB", (100, 50)), 512).size == (100, 50)
+
+
+def test_remote_image_refs_stay_text_missing_local_paths_still_reject(sample_dir, renderer):
+    """URLs (http(s), gs://, s3://) in a tool result or an image part are shown as
+    `[image: URL]` and neither loaded nor rejected; the sample then holds only its real images
+    (img label nulled when none is left). A local path that does not exist is still rejected."""
+    from rm_jax.data.schema import SampleError
+    urls = ["https://cdn.example.com/out/abc.png", "gs://bucket/renders/x.jpg", "s3://b/k/y.webp"]
+    obj = {"id": "r1", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Make it like "},
+                                     {"type": "image_url", "image_url": {"url": "https://example.com/ref.png"}}]},
+        {"role": "tool", "name": "generate_image",
+         "content": json.dumps({"status": "ok", "images": urls})}],
+        "response": {"content": "Done: three renders."},
+        "label": {"l3": "pass", "reason": "ok", "issues": [], "img": 7}}
+    s = schema.parse_sample(obj, line=1, base_dir=str(sample_dir))
+    assert s.images == () and s.label.img is None
+    flat = _flat(build_transcript(s))
+    assert "Make it like [image: https://example.com/ref.png]" in flat
+    assert ("status: ok, images: [[image: https://cdn.example.com/out/abc.png], [image: gs://bucket/renders/x.jpg], "
+            "[image: s3://b/k/y.webp]]") in flat
+    assert "<IMG>" not in flat
+    ji = renderer.render(s)
+    assert not ji.has_image and len(ji.image_grid_thw) == 0
+    text = renderer.tokenizer.decode(ji.input_ids)
+    assert "[image: gs://bucket/renders/x.jpg]" in text
+
+    # beside a real local image: that one is still loaded, in place
+    obj["messages"][1]["content"] = json.dumps({"images": ["images/gen.png", urls[0]]})
+    mixed = renderer.render(schema.parse_sample(obj, line=1, base_dir=str(sample_dir)))
+    assert mixed.has_image and len(mixed.image_grid_thw) == 1
+    # a local path that does not exist is rejected, in a tool result and in an image part
+    obj["messages"][1]["content"] = json.dumps({"images": ["images/nope.png"]})
+    with pytest.raises(SampleError) as e:
+        renderer.render(schema.parse_sample(obj, line=1, base_dir=str(sample_dir)))
+    assert e.value.reason == "missing_image"
+    obj["messages"][0]["content"][1] = {"type": "image", "image": "images/nope.png"}
+    with pytest.raises(SampleError) as e:
+        schema.parse_sample(obj, line=1, base_dir=str(sample_dir))
+    assert e.value.reason == "missing_image"

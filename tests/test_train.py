@@ -235,7 +235,8 @@ def test_bf16_second_moment_tracks_fp32_adam():
     assert all(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(s16[1][0].nu))
     for a, b in zip(jax.tree.leaves(p32), jax.tree.leaves(p16)):
         moved = np.abs(np.asarray(a) - np.asarray(params["w"] if a.shape == (16, 24) else params["b"])).max()
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=0.02 * moved)
+        # measured: 0.21% (w) and 0.22% (b) of the largest movement; WORKSPACE.md quotes it
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=0.003 * moved)
     with pytest.raises(ValueError, match="b2"):
         optim.make_optimizer(optim.OptimConfig(b2=0.999, nu_dtype="bfloat16"), params)
 
@@ -447,3 +448,80 @@ def test_validation_reads_the_scorers_p_pass_at_the_verdict_slot(tiny_cfg, synth
     assert 0.0 <= with_judge["val_middle_zone"] <= 1.0
     assert loop.VerdictSlot.from_manifest({"verdict_tokens": {"pass_id": 1, "fail_id": 2},
                                            "field_order": ["reason", "issues", "img", "l3"]}) is None
+
+
+def test_validation_and_nonfinite_check_run_on_their_own_cadence(tiny_cfg, built_shards, tmp_path):
+    """eval_every is independent of log_every: a validation step that is not a logging step
+    still validates and writes its row (the non-finite check there: the next test)."""
+    cfg = _cfg(tiny_cfg, built_shards[0], steps=5, log_every=4, eval_every=3, checkpoint_every=0)
+    loop.run(cfg, str(tmp_path / "cadence"), progress=False)
+    rows = read_metrics(str(tmp_path / "cadence"))
+    assert [r["step"] for r in rows] == [3, 4, 5]            # 3: validation, 4: log, 5: last
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 5]
+    assert all(np.isfinite(r["loss"]) for r in rows)
+
+
+@pytest.mark.slow   # a second training compile (~30-60 s); `make test-slow`
+def test_nonfinite_loss_check_runs_at_validation_steps(tiny_cfg, built_shards, tmp_path):
+    """The non-finite-loss check runs at a validation step that is not a logging step."""
+    # A run diverging after step 2 (lr 1e30 once the one-step warmup is over) that logs only at
+    # its last step (5): the step-3 validation stops it.
+    cfg = _cfg(tiny_cfg, built_shards[0], steps=5, log_every=0, eval_every=3, checkpoint_every=0, lr=1e30,
+               warmup_steps=1)
+    with pytest.raises(FloatingPointError, match=r"step 3: training loss is (nan|inf)"):
+        loop.run(cfg, str(tmp_path / "nan"), progress=False)
+
+
+def _merge_micro(micro: list[dict]) -> dict:
+    """Loader batches -> one batch of all their rows (images concatenated, padded at the end),
+    what the collate would give for one large batch."""
+    out = {k: np.concatenate([b[k] for b in micro]) for k in micro[0] if k not in ("pixel_values", "image_grid_thw",
+                                                                                   "image_valid")}
+    rows = [int(b["image_grid_thw"].prod(-1).sum()) for b in micro]
+    imgs = [int((b["image_grid_thw"].prod(-1) > 0).sum()) for b in micro]
+    pix = np.zeros((sum(b["pixel_values"].shape[0] for b in micro), micro[0]["pixel_values"].shape[1]),
+                   micro[0]["pixel_values"].dtype)
+    pix[:sum(rows)] = np.concatenate([b["pixel_values"][:n] for b, n in zip(micro, rows)])
+    grid = np.zeros((sum(b["image_grid_thw"].shape[0] for b in micro), 3), np.int32)
+    grid[:sum(imgs)] = np.concatenate([b["image_grid_thw"][:n] for b, n in zip(micro, imgs)])
+    out.update(pixel_values=pix, image_grid_thw=grid, image_valid=(grid.prod(-1) > 0).astype(np.int32))
+    return out
+
+
+def test_grad_accumulation_equals_one_large_batch(tiny_cfg, built_shards):
+    """4 microbatches of 4 = one batch of 16 (fp32): the loss (each microbatch's token sum over
+    the step's global token count), the gradient norm and the AdamW update. The load-balancing term
+    is off: it is a per-microbatch statistic averaged over microbatches, not a big-batch one."""
+    cfg = _cfg(tiny_cfg, built_shards[0], global_batch=16, grad_accum=4)
+    mesh = loop.make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=4)
+    plan = loop.RunPlan(total_steps=2, micro_batch=4, accumulation=4, steps_per_epoch=10.0)
+    model, mcfg = loop.build_model(cfg, mesh)
+    stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, plan, split="train"), 4)
+    micro = stream.next()
+    capacity = loop.frame_capacity(cfg, mcfg)
+    accumulated = loop.assemble(mcfg, micro, capacity).batch
+    large = loop.assemble(mcfg, [_merge_micro(micro)], capacity).batch
+    assert accumulated.target_mask.shape[:2] == (4, 4) and large.target_mask.shape[:2] == (1, 16)
+    assert sum(int(b["image_grid_thw"].prod(-1).astype(bool).sum()) for b in micro) > 0     # images included
+    import optax
+    lr = 1e-3
+    out = {}
+    for name, batch in (("accumulated", accumulated), ("large", large)):
+        # constant-lr AdamW: the first step already moves the parameters (one compile per case)
+        builder = StepBuilder(model, optax.adamw(lr, b1=0.9, b2=0.95), StepConfig(LossConfig(96, 512)), mesh)
+        state = builder.init_state()
+        before = jax.device_get(state.params)
+        dev = host_batch_to_device(batch, builder.batch_shardings(batch))
+        with jax.set_mesh(mesh):
+            state, m = builder.jit_train(state, dev)(state, builder.rest, dev)
+        moved = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), jax.device_get(state.params), before)
+        out[name] = (jax.device_get(m), jax.tree.leaves(moved))
+    (ma, ua), (ml, ul) = out["accumulated"], out["large"]
+    assert ma["target_tokens"] == ml["target_tokens"] > 0
+    np.testing.assert_allclose(ma["loss"], ml["loss"], rtol=1e-6)
+    np.testing.assert_allclose(ma["grad_norm"], ml["grad_norm"], rtol=1e-5)     # fp32 summation order only
+    assert any(float(np.abs(u).max()) > 0.5 * lr for u in ul)
+    for a, b in zip(ua, ul):
+        # Adam's first step is lr * g / (|g| + eps): where a gradient entry is near zero its
+        # summation-order noise shows; held to 1% of lr (measured: 1 entry in 4096 at 0.4%).
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 * lr)

@@ -5,8 +5,12 @@
   beside a checkpoint restores the stream exactly.
 * The training stream oversamples failures by index repetition (x3 by default, the factor the
   build recorded); the held-out split is never oversampled or shuffled.
-* Multi-host: each process takes every `process_count`-th element of the shuffled global stream
-  and forms its slice of the global batch.
+* Multi-host: the shuffled global stream is cut into global batches, and process p takes rows
+  [p * B/P, (p+1) * B/P) of each (index batches of B/P, every P-th one). The processes' slices,
+  in process order, are exactly the one-process batch, so a P-process run sees the batches a
+  one-process run sees (tests/test_multihost.py). A finite stream (held-out) is padded with
+  invalid rows to whole global batches, so every process yields the same number of batches
+  (a process that stopped early would hang the others in a collective).
 * Static shapes: sequences are padded to the smallest configured length bucket, image patches
   and image rows to powers of two, and a short final eval batch is filled with invalid rows,
   so the jitted step compiles once per bucket, never per batch.
@@ -75,7 +79,8 @@ class Collate:
 
     def __call__(self, items: Sequence[dict]) -> dict[str, np.ndarray]:
         n, B = len(items), self.batch_size
-        L = pick_bucket(max(len(it["input_ids"]) for it in items), self.buckets)
+        # (a process's slice of the last held-out batch may hold no example at all)
+        L = pick_bucket(max((len(it["input_ids"]) for it in items), default=1), self.buckets)
         input_ids = np.full((B, L), self.pad_id, np.int32)
         attention = np.zeros((B, L), np.int32)
         target = np.zeros((B, L), np.int32)
@@ -108,11 +113,6 @@ class Collate:
                 "image_valid": image_valid, **scalars}
 
 
-class _Decode(grain.transforms.Map):
-    def map(self, raw: bytes) -> dict:
-        return records.decode(raw)
-
-
 def read_manifest(data_dir: str) -> dict:
     with open(os.path.join(data_dir, "manifest.json")) as f:
         return json.load(f)
@@ -139,13 +139,20 @@ def make_dataset(data_dir: str, split: str, cfg: LoaderConfig) -> grain.MapDatas
     if cfg.shuffle:
         ds = ds.shuffle(seed=cfg.seed)
     ds = ds.repeat(cfg.num_epochs)
-    if cfg.process_count > 1:
-        ds = ds[cfg.process_index::cfg.process_count]
-    ds = ds.map(lambda i: source[int(i)]).map(_Decode())
-    local_batch = cfg.batch_size // cfg.process_count
+    P, local_batch = cfg.process_count, cfg.batch_size // cfg.process_count
+    if P > 1 and cfg.num_epochs is not None:
+        # Whole global batches only: truncated (drop_remainder) or padded with -1 (invalid rows).
+        n = len(ds)
+        total = n - n % cfg.batch_size if cfg.drop_remainder else -(-n // cfg.batch_size) * cfg.batch_size
+        stream = ds
+        ds = grain.MapDataset.range(total).map(lambda j: stream[j] if j < n else -1)
+    # Index batches first (cheap), then each process keeps every P-th one: its contiguous slice.
+    ds = ds.batch(local_batch, drop_remainder=cfg.drop_remainder)
+    if P > 1:
+        ds = ds[cfg.process_index::P]
     collate = Collate(local_batch, cfg.buckets, manifest["pad_id"], int(manifest["patch_dim"]), cfg.min_patch_bucket,
                       cfg.fixed_patches, cfg.fixed_images)
-    return ds.batch(local_batch, drop_remainder=cfg.drop_remainder, batch_fn=collate)
+    return ds.map(lambda ids: collate([records.decode(source[int(i)]) for i in ids if i >= 0]))
 
 
 def make_iterator(ds: grain.MapDataset, state: dict | None = None):

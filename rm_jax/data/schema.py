@@ -14,6 +14,11 @@ Two decisions worth knowing:
 * Image references are resolved at parse time against the JSONL file's folder, so a sample
   means the same thing wherever it is read from; a missing file rejects the sample here, a
   corrupt one when the image is decoded (rm_jax.data.images).
+* A remote image reference (``https://...``, ``gs://...``, ``s3://...``: any ``scheme://``
+  but ``file://``) is neither fetched nor rejected: it stays in the transcript as the text
+  ``[image: URL]``. The judge sees only what it can see; fetching at build or score time would
+  make a sample's meaning depend on the network. Such a sample counts as having no image (its
+  label's ``img`` is nulled), unless it also holds a real one.
 """
 
 from __future__ import annotations
@@ -22,12 +27,23 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Any, Iterator
 
 ROLES = ("system", "user", "assistant", "tool")
 VERDICTS = ("pass", "fail")
 MAX_ARG_DECODES = 4
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
+_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_remote_image_ref(source: Any) -> bool:
+    """A URL that is not a local file (http(s), gs, s3, ...): shown as text, never loaded."""
+    return isinstance(source, str) and bool(_URL_SCHEME.match(source)) and not source.lower().startswith("file://")
+
+
+def remote_image_text(source: str) -> str:
+    return f"[image: {source}]"
 
 
 class SampleError(ValueError):
@@ -148,6 +164,8 @@ def _expect_type(value, types, field: str, what: str):
 
 def resolve_image(source: Any, base_dir: str, field: str) -> ImageRef:
     _expect_type(source, str, field, "an image path or data URI")
+    if source.lower().startswith("file://"):
+        source = source[len("file://"):]
     if source.startswith("data:"):
         if not source.startswith("data:image/") or ";base64," not in source:
             raise SampleError("bad_image_uri", field, "data URI must be data:image/...;base64,...")
@@ -187,7 +205,10 @@ def _parse_parts(content: Any, base_dir: str, field: str) -> tuple[Part, ...]:
                 src = url.get("url") if isinstance(url, dict) else url
             if src is None:
                 raise SampleError("missing_field", pf + ".image", "image part without an image")
-            parts.append(Part(image=resolve_image(src, base_dir, pf + ".image")))
+            if is_remote_image_ref(src):
+                parts.append(Part(text=remote_image_text(src)))
+            else:
+                parts.append(Part(image=resolve_image(src, base_dir, pf + ".image")))
         else:
             raise SampleError("bad_content_part", pf + ".type", f"unknown content part type {kind!r}")
     return tuple(parts)
@@ -324,7 +345,7 @@ def _tool_content_has_image(messages: tuple[Message, ...]) -> bool:
     for m in messages:
         if m.role == "tool":
             for p in m.parts:
-                if p.text is not None and any(isinstance(x, str) for x in parse_tool_content(p.text).images):
+                if p.text is not None and parse_tool_content(p.text).images:
                     return True
     return False
 

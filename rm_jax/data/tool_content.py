@@ -5,6 +5,8 @@ Shown raw, they cost tokens on quotes and escapes and hide the images they point
 them (up to the same 4 levels as tool-call arguments), print a compact ``key: value`` form, and
 cut the text at every image field so the image itself goes to the vision input at that spot,
 right after the file name (``image: images/g.png <image>``; a data URI shows only the image).
+A remote reference (``https://...``, ``gs://...``) is only text, ``[image: URL]``: it is never
+fetched (schema.is_remote_image_ref).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 import json
 from typing import Any
 
-from rm_jax.data.schema import MAX_ARG_DECODES, looks_like_image_ref
+from rm_jax.data.schema import MAX_ARG_DECODES, is_remote_image_ref, looks_like_image_ref, remote_image_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,8 @@ def _emit(value: Any, out: list, top: bool = False) -> None:
                 text(", ")
             _emit(v, out)
         text("]")
+    elif is_remote_image_ref(value) and looks_like_image_ref(value):
+        text(remote_image_text(value))
     elif looks_like_image_ref(value):
         # A file reference keeps its name in the text: a response that cites or edits a file
         # is checked against the names the tool returned (the policy saw them too). Inline

@@ -125,6 +125,10 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
               max_samples: int = 0, batch_size: int = 16, max_new_tokens: int = 64,
               progress: bool = False,
               reward: RewardSettings = RewardSettings()) -> dict:
+    import jax
+    if jax.process_count() > 1:
+        raise RuntimeError(f"the sweep runs in one process; this one is process {jax.process_index()} of "
+                           f"{jax.process_count()}: run it once, on one host")
     from rm_jax.score.checkpoints import list_steps, load_judge, read_run_config
     from rm_jax.score.scorer import Scorer
 

@@ -95,11 +95,14 @@ class RuntimeOptions:
     dtype: str = "float32"             # activations
     param_dtype: str = "float32"
     moe_backend: str = "ragged"        # "dense" | "ragged" | "ep_ring" (rm_jax.model.moe)
+    # Grouped matmul of the ragged/ep_ring backends: "auto" (CPU: the tiled loop, else tokamax) |
+    # "tokamax" | "lax" | "tiled" (moe.RAGGED_DOT_IMPLS; config key moe.ragged_dot).
+    ragged_dot: str = "auto"
     scan_layers: bool = True           # lax.scan over homogeneous runs of layers
     remat: str = "none"                # "none" | "full" | "dots" | "dots_no_batch"
-    # Attention (text and vision): "auto" (the CPU kernel on CPU, query-blocked for causal text;
-    # jax.nn.dot_product_attention elsewhere), "xla" / "cudnn" (jax.nn.dot_product_attention with
-    # that implementation), "blocked" (the CPU kernel anywhere).
+    # Attention (text and vision; config key train.attention): "auto" (the CPU kernel on CPU; on
+    # GPU cuDNN flash when eligible, else XLA's, logged: layers.choose_attention), "xla" / "cudnn"
+    # (jax.nn.dot_product_attention with that implementation), "blocked" (the CPU kernel anywhere).
     attention: str = "auto"
 
 

@@ -211,7 +211,8 @@ class DecoderLayer(nnx.Module):
         if sparse:
             moe_cfg = MoeConfig(d_model=t.hidden_size, d_ff=t.moe_intermediate_size,
                                 num_experts=t.num_experts, top_k=t.num_experts_per_tok,
-                                norm_topk_prob=t.norm_topk_prob, backend=rt.moe_backend)
+                                norm_topk_prob=t.norm_topk_prob, backend=rt.moe_backend,
+                                ragged_dot=rt.ragged_dot)
             self.mlp = SparseMoeBlock(moe_cfg, rngs=rngs, dtype=dtype, param_dtype=pdtype)
         else:
             self.mlp = MLP(t.hidden_size, t.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=pdtype)

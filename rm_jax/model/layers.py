@@ -39,6 +39,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from rm_jax.model import attention_cpu
@@ -156,6 +157,50 @@ class AttentionMask:
 
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "blocked")
+# cuDNN flash attention: half-precision inputs and head dims it has kernels for (multiples of 8
+# up to 128 on every cuDNN 9 / sm80+ build jax ships with; 30B-A3B text is 128, its ViT 72).
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def choose_attention(requested: str, platform: str, dtype, head_dim: int, *,
+                     dense_mask: bool = False) -> tuple[str, str]:
+    """The attention implementation to run, and why: a pure function of where and on what.
+
+    ``requested`` is ``train.attention``. "auto" gives the CPU kernel ("blocked") on CPU; on a
+    CUDA GPU cuDNN flash attention when it is eligible (bf16/fp16, head_dim a multiple of 8 and
+    <= 128, key lengths rather than a dense [B,1,T,S] mask), else XLA's attention, with the
+    reason. An explicit choice is returned as is (cuDNN then fails loudly when ineligible,
+    instead of silently running the non-flash path a memory plan did not count on)."""
+    if requested not in ATTENTION_IMPLS:
+        raise ValueError(f"train.attention={requested!r}; expected one of {ATTENTION_IMPLS}")
+    if requested != "auto":
+        return requested, "requested"
+    if platform == "cpu":
+        return "blocked", "CPU"
+    if platform not in ("gpu", "cuda"):
+        return "xla", f"platform {platform!r} has no cuDNN"
+    name = jnp.dtype(dtype).name
+    if name not in CUDNN_DTYPES:
+        return "xla", f"dtype {name} (cuDNN flash needs bfloat16 or float16)"
+    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+        return "xla", f"head_dim {head_dim} (cuDNN flash needs a multiple of 8 <= {CUDNN_MAX_HEAD_DIM})"
+    if dense_mask:
+        return "xla", "a dense attention mask (cuDNN flash takes key lengths: right padding)"
+    return "cudnn", "eligible"
+
+
+_LOGGED_CHOICES: set = set()
+
+
+def _resolve_attention(requested: str, q, dense_mask: bool) -> str:
+    impl, why = choose_attention(requested, jax.default_backend(), q.dtype, q.shape[-1], dense_mask=dense_mask)
+    if requested == "auto" and impl == "xla":
+        key = (why, q.shape[-1])
+        if key not in _LOGGED_CHOICES:      # at trace time, once per reason
+            _LOGGED_CHOICES.add(key)
+            logging.warning("attention=auto: XLA attention (not cuDNN flash) because of %s", why)
+    return impl
 # Rows per query block on CPU. The train step is flat over 64-256 (within noise at [16, 512]); the
 # forward alone (scoring prefill) is ~10% faster at 64 than 128 at [16, 512]: less causal waste,
 # and each block's fused logits/exp/PV kernel works on a cache-sized [64, S] tile.
@@ -184,10 +229,7 @@ def blocked_causal_attention(q_btnh, k_btkh, v_btkh, mask: AttentionMask, scale:
 
 def causal_attention(q_btnh, k_btkh, v_btkh, mask: AttentionMask, scale: float, impl: str = "auto"):
     """Causal + padding self-attention through the chosen implementation (``ATTENTION_IMPLS``)."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention={impl!r}; expected one of {ATTENTION_IMPLS}")
-    if impl == "auto":
-        impl = "blocked" if jax.default_backend() == "cpu" else "xla"
+    impl = _resolve_attention(impl, q_btnh, dense_mask=mask.mask_b1ts is not None)
     if impl == "blocked":
         return blocked_causal_attention(q_btnh, k_btkh, v_btkh, mask, scale)
     kw = dict(scale=scale, implementation=None if impl == "xla" else impl)
@@ -199,12 +241,11 @@ def causal_attention(q_btnh, k_btkh, v_btkh, mask: AttentionMask, scale: float, 
 
 def key_length_attention(q_btnh, k_bskh, v_bskh, kv_lengths_b, scale: float, impl: str = "auto"):
     """Non-causal attention to keys [0, kv_lengths_b) (the vision tower's frame slots)."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention={impl!r}; expected one of {ATTENTION_IMPLS}")
-    if impl == "blocked" or (impl == "auto" and jax.default_backend() == "cpu"):
+    impl = _resolve_attention(impl, q_btnh, dense_mask=False)
+    if impl == "blocked":
         return attention_cpu.key_length_attention(q_btnh, k_bskh, v_bskh, kv_lengths_b, scale)
     return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, key_value_seq_lengths=kv_lengths_b, scale=scale,
-                                        implementation=None if impl in ("auto", "xla") else impl)
+                                        implementation=None if impl == "xla" else impl)
 
 
 class Attention(nnx.Module):

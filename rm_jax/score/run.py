@@ -32,6 +32,10 @@ def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None
                batch_size: int = 16, max_new_tokens: int = 64, progress: bool = True,
                reward: RewardSettings = RewardSettings()) -> dict:
     """Score ``input_path`` into ``out_path``; ``reward`` = (weights, rule penalties)."""
+    import jax
+    if jax.process_count() > 1:
+        raise RuntimeError(f"scoring runs in one process; this one is process {jax.process_index()} of "
+                           f"{jax.process_count()}: run it once, on one host")
     from rm_jax.score.checkpoints import load_judge
     from rm_jax.score.scorer import Scorer
 

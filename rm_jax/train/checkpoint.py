@@ -10,6 +10,9 @@
 * A damaged latest checkpoint (a kill during a non-atomic copy, a truncated file) is detected
   when it fails to restore; we fall back to the previous step and say so. Orbax's own atomic
   rename already hides checkpoints whose save never finished.
+* Several processes: every process calls save and restore (Orbax writes each array's shards from
+  the process that holds them and the JSON item from process 0, and synchronizes the commit);
+  the data item holds every process's iterator state (`loop.data_state_to_save`).
 """
 
 from __future__ import annotations
@@ -96,11 +99,14 @@ class Checkpointer:
 
     def _quarantine(self, steps: list[int]) -> None:
         """Move damaged steps aside (never delete them): the run will write those steps again."""
-        os.makedirs(self._damaged_dir, exist_ok=True)
-        for s in steps:
-            src = os.path.join(self.directory, str(s))
-            if os.path.isdir(src):
-                os.replace(src, os.path.join(self._damaged_dir, f"{s}.{int(time.time())}"))
+        from rm_jax.train import distributed
+        if distributed.is_primary():     # one process moves the shared directories
+            os.makedirs(self._damaged_dir, exist_ok=True)
+            for s in steps:
+                src = os.path.join(self.directory, str(s))
+                if os.path.isdir(src):
+                    os.replace(src, os.path.join(self._damaged_dir, f"{s}.{int(time.time())}"))
+        distributed.sync("checkpoint_quarantine")
         self.manager.reload()
 
     def wait(self) -> None:

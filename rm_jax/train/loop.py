@@ -11,7 +11,14 @@ Run shape (the report's v3 recipe by default: lr 5e-6, global batch 32, max leng
 3. The step is lowered and compiled ahead of time; `memory_analysis()` is logged before step 1.
    Batches have one static shape for the whole run (max length, fixed patch/image budget), so
    the step compiles exactly once.
-4. Every K steps an async checkpoint; every M steps the held-out loss.
+4. Every K steps an async checkpoint; every `eval_every` steps the held-out validation and
+   every `log_every` steps a metrics row, on independent cadences. The non-finite-loss check
+   runs at every log step and every validation step (reading the loss syncs with the device,
+   so it is not done on every step).
+5. Several processes (`rm_jax.train.distributed`): each reads its contiguous slice of every
+   global batch and places it with `jax.make_array_from_process_local_data`; image patches are
+   exchanged so the replicated vision arrays are the one-process ones; Orbax writes the
+   checkpoint from all processes; process 0 alone writes metrics.jsonl and manifest.json.
 """
 
 from __future__ import annotations
@@ -27,17 +34,18 @@ import ml_collections
 import numpy as np
 from absl import logging
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rm_jax.data import loader as loader_lib
 from rm_jax.model import judge as judge_lib
 from rm_jax.model.config import ModelConfig, RuntimeOptions
 from rm_jax.model.decode import verdict_probabilities
 from rm_jax.sharding import describe_devices, make_mesh
-from rm_jax.train import optim
+from rm_jax.train import distributed, optim
 from rm_jax.train.checkpoint import CheckpointOptions, Checkpointer, abstract_like
 from rm_jax.train.loss import LossConfig, check_target_budget
 from rm_jax.train.metrics_log import MetricsWriter
-from rm_jax.train.step import StepBatch, StepBuilder, StepConfig, host_batch_to_device
+from rm_jax.train.step import StepBatch, StepBuilder, StepConfig, host_batch_to_device, place
 from rm_jax.utils import file_sha256, package_versions
 
 
@@ -59,10 +67,19 @@ def plan_run(train_cfg, stream_len: int) -> RunPlan:
 
 
 def model_config(cfg) -> ModelConfig:
+    """The typed model config of a run; the run-time choices are validated here, once, by name."""
+    from rm_jax.model.layers import ATTENTION_IMPLS
+    from rm_jax.model.moe import BACKENDS, RAGGED_DOT_IMPLS
     t = cfg.train
+    choices = {"train.attention": (t.get("attention", "auto"), ATTENTION_IMPLS),
+               "moe.backend": (cfg.moe.backend, BACKENDS),
+               "moe.ragged_dot": (cfg.moe.get("ragged_dot", "auto"), RAGGED_DOT_IMPLS)}
+    for field, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"{field}={value!r}; expected one of {tuple(allowed)}")
     runtime = RuntimeOptions(dtype=t.dtype, param_dtype=t.param_dtype, remat=t.remat,
                              scan_layers=bool(t.scan_layers), moe_backend=cfg.moe.backend,
-                             attention=t.get("attention", "auto"))
+                             ragged_dot=cfg.moe.get("ragged_dot", "auto"), attention=t.get("attention", "auto"))
     return ModelConfig.from_hf_dict(cfg.model.to_dict(), runtime)
 
 
@@ -181,6 +198,8 @@ def assemble(mcfg: ModelConfig, micro: list[dict], frame_capacity: int,
     prepared = [judge_lib.prepare_inputs(mcfg, b["input_ids"], b["attention_mask"], b["pixel_values"],
                                          b["image_grid_thw"], attention="lengths", frame_capacity=frame_capacity)
                 for b in micro]
+    if jax.process_count() > 1:
+        prepared = [_with_global_images(mcfg, p, b, frame_capacity) for p, b in zip(prepared, micro)]
     prepared = [p.replace(kv_lengths_b=np.maximum(p.kv_lengths_b, 1)) for p in prepared]
     top = max(int(b["input_ids"].max(initial=0)) for b in micro)
     if top >= mcfg.text.vocab_size:
@@ -197,6 +216,47 @@ def assemble(mcfg: ModelConfig, micro: list[dict], frame_capacity: int,
     return HostBatch(StepBatch(inputs=inputs, target_mask=target, context_mask=ctx),
                      n_examples=int(sum(v.sum() for v in valid)),
                      n_fail=int(sum((b["label"][v] == 1).sum() for b, v in zip(micro, valid))))
+
+
+def gather_images(b: dict, merge: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Several processes: the microbatch's images over all of them.
+
+    Returns (pixel_values, image_grid_thw) laid out as the one-process collate lays out the
+    whole microbatch (every real patch in process order, then padding; real grid rows, then zero
+    rows; the same static shapes), and this process's offset into the merged image features
+    (those of the processes before it). Only real rows travel (padded to the largest process's
+    count, a power of two so the exchange compiles a few times, not per batch)."""
+    pix, grid = b["pixel_values"], b["image_grid_thw"]
+    n_rows, n_img = int(grid.prod(-1).sum()), int((grid.prod(-1) > 0).sum())
+    counts = distributed.allgather_host(np.array([n_rows, n_img], np.int64))
+    pad_rows = loader_lib._next_pow2(int(counts[:, 0].max()), 1)
+    pad_img = loader_lib._next_pow2(int(counts[:, 1].max()), 1)
+    local_pix = np.zeros((pad_rows, pix.shape[1]), pix.dtype)
+    local_pix[:n_rows] = pix[:n_rows]
+    local_grid = np.zeros((pad_img, 3), grid.dtype)
+    local_grid[:n_img] = grid[:n_img]
+    all_pix, all_grid = distributed.allgather_host(local_pix), distributed.allgather_host(local_grid)
+    total_rows, total_img = int(counts[:, 0].sum()), int(counts[:, 1].sum())
+    if total_rows > pix.shape[0] or total_img > grid.shape[0]:
+        raise ValueError(f"the microbatch holds {total_rows} patches / {total_img} images over "
+                         f"{len(counts)} processes, over the budget train.max_patches={pix.shape[0]} / "
+                         f"train.max_images={grid.shape[0]}; raise them")
+    out_pix = np.zeros_like(pix)
+    out_grid = np.zeros_like(grid)
+    out_pix[:total_rows] = np.concatenate([all_pix[p, :n] for p, n in enumerate(counts[:, 0])])
+    out_grid[:total_img] = np.concatenate([all_grid[p, :n] for p, n in enumerate(counts[:, 1])])
+    offset = int(counts[:jax.process_index(), 0].sum()) // (merge * merge)
+    return out_pix, out_grid, offset
+
+
+def _with_global_images(mcfg: ModelConfig, prepared, b: dict, frame_capacity: int):
+    """This process's token arrays, with the whole microbatch's (replicated) vision inputs."""
+    from rm_jax.model.vision import vision_inputs
+    pix, grid, offset = gather_images(b, mcfg.vision.spatial_merge_size)
+    image_index = None
+    if prepared.image_index_bt is not None:
+        image_index = np.where(prepared.image_index_bt >= 0, prepared.image_index_bt + offset, -1).astype(np.int32)
+    return prepared.replace(image_index_bt=image_index, vision=vision_inputs(mcfg.vision, pix, grid, frame_capacity))
 
 
 class BatchStream:
@@ -247,7 +307,7 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
         logging.warning("%s has no held-out examples: validation loss is skipped (and the sweep will "
                         "have nothing to score); build with more prompts or a larger data.heldout_fraction",
                         data_dir)
-    for key in ("log_every", "checkpoint_every"):
+    for key in ("log_every", "checkpoint_every", "eval_every"):
         if int(t[key]) < 0:
             raise ValueError(f"train.{key}={t[key]}: must be >= 0 (0 = only at the last step)")
     if t.init_from:
@@ -270,29 +330,36 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     if restored is not None:
         check_resume_data(workdir, data_dir)
         skipped = restored.skipped
-        state, start, data_state = restored.state, restored.step, restored.data_state
+        state, start, data_state = restored.state, restored.step, own_data_state(restored.data_state)
         logging.info("resumed from %s at step %d", ckpt.directory, start)
     stream = BatchStream(data_dir, "train", loader_config(cfg, plan, split="train"), plan.accumulation, data_state)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
-    if start == 0 and os.path.exists(metrics_path) and os.path.getsize(metrics_path) > 0:
+    primary = distributed.is_primary()      # the run's shared files are written once
+    if primary and start == 0 and os.path.exists(metrics_path) and os.path.getsize(metrics_path) > 0:
         # A start from scratch over an earlier run's log (its checkpoints all damaged, or none
         # written yet): keep that history beside the new one instead of truncating it.
         os.replace(metrics_path, f"{metrics_path}.before_restart.{int(time.time())}")
-    writer = MetricsWriter(workdir, resume_step=start, tensorboard=bool(t.tensorboard))
-    _write_manifest(workdir, cfg, manifest, data_dir, mesh, plan)
+    distributed.sync("resume_checked")     # every process has read the old manifest before it is rewritten
+    writer = MetricsWriter(workdir, resume_step=start, tensorboard=bool(t.tensorboard)) if primary else None
+    if primary:
+        _write_manifest(workdir, cfg, manifest, data_dir, mesh, plan)
 
     capacity, weights = frame_capacity(cfg, mcfg), TokenWeights.from_config(cfg, mcfg)
     verdict = VerdictSlot.from_manifest(manifest)
     first = assemble(mcfg, stream.next(), capacity, weights) if start < plan.total_steps else None
     if first is not None:
         shardings = builder.batch_shardings(first.batch)
+        placed = host_batch_to_device(first.batch, shardings)     # global shapes, for the lowering
         with jax.set_mesh(mesh):
-            train = builder.jit_train(state, first.batch)
+            train = builder.jit_train(state, placed)
             t0 = time.time()
-            compiled = train.lower(state, builder.rest, first.batch).compile()
+            compiled = train.lower(state, builder.rest, placed).compile()
             logging.info("compiled train step in %.1fs (length %d); memory per device: %s", time.time() - t0,
                          first.batch.target_mask.shape[-1], _memory_line(compiled.memory_analysis()))
     pending = first
+    # Processes finish compiling at different times (or one hits the compilation cache); meet
+    # before the first collective: CPU (gloo) collectives time out on a peer ~30 s late.
+    distributed.sync("train_step_compiled")
 
     from tqdm import tqdm
     show = sys.stderr.isatty() if progress is None else progress
@@ -313,33 +380,67 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
             tokens_since += int(host.batch.inputs.attention_mask_bt.sum())
             samples_since += host.n_examples
             fails_since += host.n_fail
-            if _due(step, t.log_every, plan.total_steps):
+            log_now = _due(step, t.log_every, plan.total_steps)
+            eval_now = has_heldout and int(t.eval_every) > 0 and _due(step, t.eval_every, plan.total_steps)
+            if log_now or eval_now:
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 if not np.isfinite(m["loss"]):
                     raise FloatingPointError(f"step {step}: training loss is {m['loss']} (grad_norm "
                                              f"{m.get('grad_norm')}); stopping instead of training on it. "
                                              f"The last good checkpoint is kept in {ckpt.directory}")
+                # Host counters of this process's slice, summed over processes (one exchange per row);
+                # timed before the validation, which is not training throughput.
+                tokens, samples, fails = distributed.allgather_host(
+                    np.array([tokens_since, samples_since, fails_since], np.int64)).sum(0).tolist()
                 dt = max(time.time() - t_log, 1e-9)
-                m.update(tokens_per_s=tokens_since / dt, samples_per_s=samples_since / dt,
-                         fail_share=fails_since / max(samples_since, 1), epoch=step / plan.steps_per_epoch)
-                if has_heldout and int(t.eval_every) > 0 and (step % int(t.eval_every) == 0
-                                                              or step == plan.total_steps):
-                    m.update(evaluate(builder, cfg, mcfg, state, plan, mesh, verdict))
-                writer.write(step, m)
+                m.update(tokens_per_s=tokens / dt, samples_per_s=samples / dt,
+                         fail_share=fails / max(samples, 1), epoch=step / plan.steps_per_epoch)
+            if eval_now:
+                val = evaluate(builder, cfg, mcfg, state, plan, mesh, verdict)
+                if not np.isfinite(val["val_loss"]):
+                    raise FloatingPointError(f"step {step}: validation loss is {val['val_loss']}; stopping. "
+                                             f"The last good checkpoint is kept in {ckpt.directory}")
+                m.update(val)
+            if log_now or eval_now:
+                if writer is not None:
+                    writer.write(step, m)
                 bar.set_postfix(loss=f"{m['loss']:.4f}")
                 last_metrics = m
                 t_log, tokens_since, samples_since, fails_since = time.time(), 0, 0, 0
             if _due(step, t.checkpoint_every, plan.total_steps):
-                ckpt.save(step, state, stream.state())
+                ckpt.save(step, state, data_state_to_save(stream))
             bar.update(1)
         ckpt.wait()
     finally:
         bar.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
         ckpt.close()
     return {"steps": step, "resumed_from": start, "skipped_damaged": skipped,
             "last_metrics": last_metrics, "trace_count": builder.trace_count,
             "checkpoints": ckpt.steps(), "plan": dataclasses.asdict(plan)}
+
+
+def data_state_to_save(stream: BatchStream) -> dict:
+    """The data iterator state for the checkpoint: this process's, or with several processes all
+    of theirs (Orbax writes the JSON item once, from process 0)."""
+    states = distributed.allgather_json(stream.state())
+    return states[0] if len(states) == 1 else {"process_states": states}
+
+
+def own_data_state(saved: dict | None) -> dict | None:
+    """This process's iterator state from a checkpoint's data item."""
+    n_proc = jax.process_count()
+    if saved and "process_states" in saved:
+        states = saved["process_states"]
+        if len(states) != n_proc:
+            raise ValueError(f"the checkpoint was written by {len(states)} processes, this run has {n_proc}: "
+                             "resume with the same --num_processes")
+        return states[jax.process_index()]
+    if saved and n_proc > 1:
+        raise ValueError(f"the checkpoint was written by one process, this run has {n_proc}: resume with "
+                         "the same --num_processes")
+    return saved
 
 
 def _due(step: int, every, last: int) -> bool:
@@ -371,6 +472,7 @@ def evaluate(builder: StepBuilder, cfg, mcfg, state, plan: RunPlan, mesh,
     ``val_fail_f1``, ``val_accuracy``, ``val_majority_baseline``, ``val_off_vocab_mass``)."""
     stream = BatchStream(cfg.data.dir, "heldout", loader_config(cfg, plan, split="heldout"), 1)
     total, count = 0.0, 0.0
+    first = True
     labels, p_pass, off_vocab = [], [], []
     limit = int(cfg.train.eval_batches)
     for i, micro in enumerate(stream.it):
@@ -378,6 +480,17 @@ def evaluate(builder: StepBuilder, cfg, mcfg, state, plan: RunPlan, mesh,
             break
         batch = assemble(mcfg, [micro], frame_capacity(cfg, mcfg)).batch
         dev = host_batch_to_device(batch, builder.batch_shardings(batch))
+        if first and jax.process_count() > 1:    # the eval step compiles on first use, each process at its pace
+            fn = builder.jit_eval() if verdict is None else builder.jit_eval_verdict()
+            with jax.set_mesh(mesh):
+                if verdict is None:
+                    fn.lower(state.params, builder.rest, dev).compile()
+                else:
+                    slot = place(np.zeros(micro["verdict_pos"].shape, np.int32),
+                                 NamedSharding(mesh, PartitionSpec(dev.inputs.kv_lengths_b.sharding.spec[1])))
+                    fn.lower(state.params, builder.rest, dev, slot, verdict.pass_id, verdict.fail_id).compile()
+            distributed.sync("eval_step_compiled")
+            first = False
         if verdict is None:
             with jax.set_mesh(mesh):
                 m = jax.device_get(builder.jit_eval()(state.params, builder.rest, dev))
@@ -386,16 +499,21 @@ def evaluate(builder: StepBuilder, cfg, mcfg, state, plan: RunPlan, mesh,
             continue
         # The logits at verdict_pos - 1 predict the verdict token (padding rows read position 0).
         slot_b = np.maximum(micro["verdict_pos"].astype(np.int32) - 1, 0)
+        # this process's rows, sharded like the batch's [A, B] arrays without their A axis
+        slot_b = place(slot_b, NamedSharding(mesh, PartitionSpec(dev.inputs.kv_lengths_b.sharding.spec[1])))
         with jax.set_mesh(mesh):
             m = jax.device_get(builder.jit_eval_verdict()(state.params, builder.rest, dev, slot_b,
                                                            verdict.pass_id, verdict.fail_id))
         total += float(m["loss_sum"])
         count += float(m["target_tokens"])
-        rows = np.flatnonzero(micro["example_valid"].astype(bool) & (micro["verdict_pos"] > 0))
+        # The logits are replicated over the whole microbatch; its rows are the processes' in order.
+        valid_b, pos_b, label_b = (distributed.allgather_host(micro[k]).reshape(-1)
+                                   for k in ("example_valid", "verdict_pos", "label"))
+        rows = np.flatnonzero(valid_b.astype(bool) & (pos_b > 0))
         p_b, off_b = verdict_probabilities(m["logit_pass"], m["logit_fail"], m["logsumexp"])
         p_pass.extend(p_b[rows])
         off_vocab.extend(off_b[rows])
-        labels.extend(np.asarray(micro["label"])[rows].astype(int))
+        labels.extend(label_b[rows].astype(int))
     out = {"val_loss": total / max(count, 1.0)}
     if verdict is not None and labels:
         from rm_jax.eval.metrics import judge_metrics

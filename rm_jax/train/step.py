@@ -254,35 +254,55 @@ class StepBuilder:
     def batch_shardings(self, batch: StepBatch):
         return batch_shardings(batch, self.mesh)
 
+    def _replicated(self):
+        return NamedSharding(self.mesh, PartitionSpec())
+
     def jit_train(self, state: TrainState, batch: StepBatch):
+        """``batch``: a placed batch (its arrays' shardings are used) or this process's host batch."""
         if self._train is None:
             state_sh = self.state_shardings(state)
             rest_sh = jax.tree.map(lambda x: x.sharding, self.rest)
-            self._train = jax.jit(self._train_step, in_shardings=(state_sh, rest_sh, self.batch_shardings(batch)),
-                                  out_shardings=(state_sh, None), donate_argnums=(0,))
+            leaves = jax.tree.leaves(batch)
+            batch_sh = (jax.tree.map(lambda x: x.sharding, batch) if all(isinstance(x, jax.Array) for x in leaves)
+                        else self.batch_shardings(batch))
+            # Metrics replicated: every process reads the same values (the non-finite check).
+            self._train = jax.jit(self._train_step, in_shardings=(state_sh, rest_sh, batch_sh),
+                                  out_shardings=(state_sh, self._replicated()), donate_argnums=(0,))
         return self._train
 
     def jit_eval(self):
         if self._eval is None:
-            self._eval = jax.jit(self._eval_step)
+            self._eval = jax.jit(self._eval_step, out_shardings=self._replicated())
         return self._eval
 
     def jit_eval_verdict(self):
         if self._eval_verdict is None:
-            self._eval_verdict = jax.jit(self._eval_verdict_step, static_argnums=(4, 5))
+            # Per-row logits come back replicated, so every process can compute the judge metrics.
+            self._eval_verdict = jax.jit(self._eval_verdict_step, static_argnums=(4, 5),
+                                         out_shardings=self._replicated())
         return self._eval_verdict
 
 
-def batch_shardings(batch: StepBatch, mesh) -> StepBatch:
-    """Token arrays shard their batch dim over the batch axes; vision arrays are replicated
-    (patches of all images are concatenated, not laid out per example)."""
+def batch_shardings(batch: StepBatch, mesh, process_count: int | None = None) -> StepBatch:
+    """Shardings of a step batch given as *this process's* host batch.
+
+    Token arrays shard their batch dim over the batch axes; their global batch is the local one
+    times the process count. Vision arrays are replicated and global on every host already
+    (patches of all images are concatenated, not laid out per example; `loop.gather_images`).
+    In one process a batch the batch axes do not divide stays unsharded; with several processes
+    that cannot work (each holds only its rows), so it is an error."""
     batch_axes = logical_to_spec(("batch",))[0]
     n_shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    n_proc = jax.process_count() if process_count is None else process_count
 
     def spec(x, batch_dim):
         if x is None:
             return None
-        ok = x.shape[batch_dim] % n_shards == 0
+        global_b = x.shape[batch_dim] * n_proc
+        ok = global_b % n_shards == 0
+        if not ok and n_proc > 1:
+            raise ValueError(f"global microbatch {global_b} ({n_proc} processes x {x.shape[batch_dim]}) is not "
+                             f"divisible by the mesh's batch axes {batch_axes} = {n_shards} devices")
         dims = [None] * x.ndim
         if ok:
             dims[batch_dim] = batch_axes
@@ -298,5 +318,12 @@ def batch_shardings(batch: StepBatch, mesh) -> StepBatch:
         target_mask=spec(batch.target_mask, 1), context_mask=spec(batch.context_mask, 1))
 
 
+def place(x, sharding) -> jax.Array:
+    """One host array onto the mesh: this process's slice of a batch-sharded array, or the whole
+    of a replicated one. The one placement path for batches, in one process or several (a plain
+    `device_put` of a process's slice would treat it as the global array)."""
+    return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+
 def host_batch_to_device(batch: StepBatch, shardings) -> StepBatch:
-    return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), batch, shardings)
+    return jax.tree.map(place, batch, shardings)

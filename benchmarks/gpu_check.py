@@ -1,0 +1,317 @@
+"""One command for the day a GPU host is at hand: do the GPU paths work, and how fast are they?
+
+    python -m benchmarks.gpu_check            # one H100/H200, jax >= 0.11 with CUDA; < 5 minutes
+
+Checks (each prints a row; the last line is one JSON object with every figure and a pass/fail per
+check; the exit status is 0 either way, so a failing check never hides the other figures):
+
+1. ``flash_attention``: cuDNN flash attention (``jax.nn.dot_product_attention(implementation=
+   "cudnn")``) against XLA's attention computed in fp32, bf16 inputs, a right-padded batch (key
+   lengths T, ~2/3 T, ~1/3 T, 1), GQA, head_dim 128 (the 30B text) and 72 (its ViT); forward and
+   the gradient. Also that ``train.attention=auto`` picks cuDNN for these inputs.
+2. ``ragged_dot``: ``tokamax.ragged_dot`` against ``jax.lax.ragged_dot`` (and an fp32 reference),
+   bf16, the 30B expert shapes (128 experts, K=2048, N=768), uneven groups with empty experts;
+   alone and inside ``jax.shard_map`` over the local devices (each device its own tokens).
+3. ``train_step``: the 30B config scaled down to 2 decoder layers and 2 ViT blocks (real widths,
+   real vocabulary, bf16 compute, the config's optimizer dtypes, cuDNN, tokamax), FSDP over the
+   local devices: ``memory_analysis()`` of the compiled step, then a few steps (finite loss, time).
+4. ``score_throughput``: the tiny judge (random weights) scoring synthetic samples: samples/s.
+
+On a host without a GPU it says so and exits 0 (``tests/test_gpu_check.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+GIB = 1 << 30
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _timed(fn, *args, n: int = 5) -> float:
+    """Median wall ms of ``fn(*args)`` after one warm-up (compile) call."""
+    import jax
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. cuDNN flash attention
+# ---------------------------------------------------------------------------------------------
+
+FLASH_SHAPES = {128: (4, 2048, 32, 4), 72: (4, 1024, 16, 16)}     # head_dim -> (B, T, N, K)
+
+
+def check_flash_attention(shapes: dict = FLASH_SHAPES, fused: str = "cudnn") -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rm_jax.model.layers import choose_attention
+    out: dict = {"pass": True}
+    for head_dim, (b, t, n, k) in shapes.items():
+        rng = np.random.default_rng(head_dim)
+        q, kk, v = (jnp.asarray(rng.standard_normal((b, t, h, head_dim)), jnp.bfloat16) for h in (n, k, k))
+        lengths = jnp.asarray([t, 2 * t // 3, t // 3, 1], jnp.int32)
+        scale = head_dim ** -0.5
+        causal = head_dim == 128          # text: causal + key lengths; ViT frame slots: key lengths only
+
+        def attn(impl, q, kk, v):
+            return jax.nn.dot_product_attention(q, kk, v, scale=scale, is_causal=causal,
+                                                key_value_seq_lengths=lengths, implementation=impl)
+
+        cudnn = jax.jit(lambda q, kk, v: attn(fused, q, kk, v))
+        ref = jax.jit(lambda q, kk, v: attn("xla", *(x.astype(jnp.float32) for x in (q, kk, v))))
+        got, want = np.asarray(cudnn(q, kk, v), np.float32), np.asarray(ref(q, kk, v))
+        # rows past a sequence's length are padding: compare the real query rows only
+        valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+        err = float(np.abs(got - want)[valid].max())
+
+        def loss(impl, q, kk, v):
+            return jnp.sum(attn(impl, q, kk, v).astype(jnp.float32) * valid[:, :, None, None])
+
+        g_cudnn = jax.jit(jax.grad(lambda q, kk, v: loss(fused, q, kk, v), argnums=(0, 1, 2)))(q, kk, v)
+        g_ref = jax.jit(jax.grad(lambda q, kk, v: loss("xla", *(x.astype(jnp.float32) for x in (q, kk, v))),
+                                 argnums=(0, 1, 2)))(q, kk, v)
+        g_err = max(float(np.abs(np.asarray(a, np.float32) - np.asarray(r)).max() / (np.abs(np.asarray(r)).max() + 1e-9))
+                    for a, r in zip(g_cudnn, g_ref))
+        chosen, why = choose_attention("auto", jax.default_backend(), jnp.bfloat16, head_dim)
+        ms_cudnn = _timed(cudnn, q, kk, v)
+        xla_bf16 = jax.jit(lambda q, kk, v: attn("xla", q, kk, v))
+        ms_xla = _timed(xla_bf16, q, kk, v)
+        # bf16 outputs of softmax-weighted averages of N(0,1) values: |out| <~ 3, bf16 ulp 2^-7
+        ok = err < 3e-2 and g_err < 3e-2 and chosen == fused
+        out[f"h{head_dim}"] = {"shape_btnkh": [b, t, n, k, head_dim], "causal": causal,
+                               "max_abs_err_fwd": err, "max_rel_err_grad": g_err, "auto_picks": chosen,
+                               "auto_reason": why, "ms_cudnn_fwd": ms_cudnn, "ms_xla_bf16_fwd": ms_xla,
+                               "speedup_vs_xla": ms_xla / ms_cudnn, "pass": ok}
+        out["pass"] &= ok
+        log(f"flash_attention h={head_dim}: fwd max|err| {err:.2e}, grad rel err {g_err:.2e}, auto -> {chosen}; "
+            f"cuDNN {ms_cudnn:.2f} ms vs XLA {ms_xla:.2f} ms  [{'pass' if ok else 'FAIL'}]")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. tokamax ragged_dot
+# ---------------------------------------------------------------------------------------------
+
+def _group_sizes(rng, m: int, e: int):
+    import numpy as np
+    w = rng.gamma(0.5, size=e)
+    w[rng.choice(e, size=e // 8, replace=False)] = 0          # some experts get no rows
+    sizes = np.floor(w / w.sum() * m).astype(np.int32)
+    sizes[np.argmax(sizes)] += m - sizes.sum()
+    return sizes
+
+
+def check_ragged_dot(m: int = 8192, k: int = 2048, n: int = 768, e: int = 128) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import tokamax
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(0)
+    lhs = jnp.asarray(rng.standard_normal((m, k)) * 0.1, jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((e, k, n)) * 0.02, jnp.bfloat16)
+    sizes = jnp.asarray(_group_sizes(rng, m, e))
+    tok = jax.jit(lambda a, b, g: tokamax.ragged_dot(a, b, g))
+    lax_ = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g))
+    ref = np.asarray(jax.jit(lambda a, b, g: jax.lax.ragged_dot(a.astype(jnp.float32), b.astype(jnp.float32), g))(
+        lhs, rhs, sizes))
+    scale = float(np.abs(ref).max())
+    got_tok, got_lax = np.asarray(tok(lhs, rhs, sizes), np.float32), np.asarray(lax_(lhs, rhs, sizes), np.float32)
+    err_tok, err_lax = float(np.abs(got_tok - ref).max()) / scale, float(np.abs(got_lax - ref).max()) / scale
+    ms_tok, ms_lax = _timed(tok, lhs, rhs, sizes), _timed(lax_, lhs, rhs, sizes)
+    ok_alone = err_tok < 2e-2
+    log(f"ragged_dot alone [{m}x{k}] x [{e}x{k}x{n}] bf16: tokamax rel err {err_tok:.2e} (lax {err_lax:.2e}); "
+        f"tokamax {ms_tok:.2f} ms vs lax {ms_lax:.2f} ms  [{'pass' if ok_alone else 'FAIL'}]")
+
+    # Inside shard_map: each device its own tokens and group sizes, the experts replicated.
+    devs = jax.local_devices()
+    mesh = jax.make_mesh((len(devs),), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=devs)
+    d = len(devs)
+    sizes_d = jnp.asarray(np.stack([_group_sizes(rng, m // d, e) for _ in range(d)]))
+
+    def sharded(impl):
+        def body(a, b, g):
+            fn = tokamax.ragged_dot if impl == "tokamax" else jax.lax.ragged_dot
+            return fn(a, b, g[0])
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P("x")), out_specs=P("x"),
+                                     check_vma=False))
+
+    with jax.set_mesh(mesh):
+        sm_tok = np.asarray(sharded("tokamax")(lhs, rhs, sizes_d), np.float32)
+        sm_lax = np.asarray(sharded("lax")(lhs, rhs, sizes_d), np.float32)
+    rows = m // d
+    sm_ref = np.concatenate([np.asarray(jax.lax.ragged_dot(lhs[i * rows:(i + 1) * rows].astype(jnp.float32),
+                                                           rhs.astype(jnp.float32), sizes_d[i])) for i in range(d)])
+    sm_err = float(np.abs(sm_tok - sm_ref).max()) / float(np.abs(sm_ref).max())
+    sm_agree = float(np.abs(sm_tok - sm_lax).max()) / float(np.abs(sm_ref).max())
+    ok_sm = sm_err < 2e-2
+    log(f"ragged_dot in shard_map over {d} device(s): tokamax rel err {sm_err:.2e} (vs lax {sm_agree:.2e})  "
+        f"[{'pass' if ok_sm else 'FAIL'}]")
+    return {"shape_mkne": [m, k, n, e], "rel_err_tokamax": err_tok, "rel_err_lax": err_lax, "ms_tokamax": ms_tok,
+            "ms_lax": ms_lax, "speedup_vs_lax": ms_lax / ms_tok, "shard_map_devices": d,
+            "shard_map_rel_err_tokamax": sm_err, "shard_map_tokamax_vs_lax": sm_agree,
+            "pass_alone": ok_alone, "pass_shard_map": ok_sm, "pass": ok_alone and ok_sm}
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. bf16 train step of the scaled-down 30B config
+# ---------------------------------------------------------------------------------------------
+
+def check_train_step(seq: int = 4096, steps: int = 3, text_overrides: dict | None = None,
+                     attention: str | None = None) -> dict:
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from configs import qwen3_vl_30b_a3b
+    from rm_jax.model import judge as judge_lib
+    from rm_jax.train import loop, optim
+    from rm_jax.train.step import StepBatch, StepBuilder, host_batch_to_device
+
+    cfg = qwen3_vl_30b_a3b.get_config()
+    cfg.model.text_config.num_hidden_layers = 2
+    cfg.model.vision_config.depth = 2
+    cfg.model.vision_config.deepstack_visual_indexes = (0, 1)
+    cfg.model.text_config.update(text_overrides or {})       # (a CPU smoke run shrinks the widths)
+    if attention is not None:
+        cfg.train.attention = attention
+    n_dev = jax.local_device_count()
+    cfg.mesh.fsdp = n_dev
+    a, b = 2, n_dev                                    # 2 microbatches of one sequence per device
+    cfg.train.grad_accum, cfg.train.global_batch = a, a * b
+    mcfg = loop.model_config(cfg)
+    mesh = loop.make_mesh(cfg.mesh, num_experts=mcfg.text.num_experts, global_batch=b)
+    t0 = time.time()
+    model, mcfg = loop.build_model(cfg, mesh)
+    ocfg = dataclasses.replace(optim.OptimConfig.from_config(cfg.train), total_steps=100, warmup_steps=1)
+    builder = StepBuilder(model, optim.make_optimizer(ocfg, model), loop.step_config(cfg), mesh, optim.schedule(ocfg))
+    state = builder.init_state()
+    init_s = time.time() - t0
+
+    rng = np.random.default_rng(0)
+    micro = []
+    for _ in range(a):
+        lengths = rng.integers(seq // 2, seq + 1, size=b)
+        ids = rng.integers(1000, mcfg.text.vocab_size, size=(b, seq)).astype(np.int32)
+        mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int32)
+        target = ((np.arange(seq)[None, :] >= lengths[:, None] - 64) & (mask > 0)).astype(np.float32)
+        inputs = judge_lib.prepare_inputs(mcfg, ids * mask, mask, attention="lengths")
+        micro.append((inputs, target))
+    batch = StepBatch(inputs=jax.tree.map(lambda *xs: np.stack(xs), *[m[0] for m in micro]),
+                      target_mask=np.stack([m[1] for m in micro]))
+    dev = host_batch_to_device(batch, builder.batch_shardings(batch))
+    with jax.set_mesh(mesh):
+        train = builder.jit_train(state, dev)
+        t0 = time.time()
+        compiled = train.lower(state, builder.rest, dev).compile()
+        compile_s = time.time() - t0
+        mem = compiled.memory_analysis()
+        losses, times = [], []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            state, metrics = compiled(state, builder.rest, dev)
+            losses.append(float(jax.device_get(metrics["loss"])))
+            times.append(time.perf_counter() - t0)
+    mem_gib = {f: getattr(mem, f"{f}_size_in_bytes", 0) / GIB for f in ("argument", "output", "temp", "alias")}
+    peak = mem_gib["argument"] + mem_gib["output"] + mem_gib["temp"] - mem_gib["alias"]
+    tokens = a * b * seq
+    ok = all(np.isfinite(losses))
+    widths = "30B widths" if not text_overrides else "reduced widths"
+    log(f"train_step ({widths}, 2 layers, bf16, fsdp={n_dev}, A={a} x {b} x {seq}): compiled in {compile_s:.1f}s; "
+        f"per device args {mem_gib['argument']:.2f} GiB temp {mem_gib['temp']:.2f} -> peak {peak:.2f} GiB; "
+        f"losses {[round(x, 4) for x in losses]}; {np.median(times[1:] or times):.3f} s/step  "
+        f"[{'pass' if ok else 'FAIL'}]")
+    return {"layers": 2, "vit_blocks": 2, "devices": n_dev, "grad_accum": a, "microbatch": b, "seq": seq,
+            "attention": cfg.train.attention, "ragged_dot": cfg.moe.ragged_dot, "init_s": init_s,
+            "compile_s": compile_s, "memory_gib_per_device": mem_gib, "peak_gib_per_device": peak,
+            "losses": losses, "s_per_step": float(np.median(times[1:] or times)),
+            "tokens_per_s": tokens / float(np.median(times[1:] or times)), "pass": ok}
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. scoring throughput of the tiny judge
+# ---------------------------------------------------------------------------------------------
+
+def check_score_throughput(n: int = 192, batch: int = 32) -> dict:
+    import os
+    import tempfile
+
+    import numpy as np
+
+    from launch.common import DEFAULT_CONFIG, load_config
+    from rm_jax.data import synth
+    from rm_jax.data.render import Renderer
+    from rm_jax.data.schema import Sample, read_samples
+    from rm_jax.model import judge as judge_lib
+    from rm_jax.score.scorer import Scorer
+    from rm_jax.train import loop
+
+    cfg = load_config(DEFAULT_CONFIG)
+    with tempfile.TemporaryDirectory() as tmp:
+        synth.write_dataset(tmp, n=n, seed=0)
+        renderer = Renderer.from_config(cfg.data, os.path.join(tmp, "tokenizer"))
+        samples = [s for s in read_samples(os.path.join(tmp, "samples.jsonl")) if isinstance(s, Sample)]
+        model = judge_lib.init_model(loop.model_config(cfg), seed=0)
+        scorer = Scorer(model, renderer, buckets=tuple(cfg.data.buckets), batch_size=batch, progress=False)
+        scorer.p_pass(samples)                  # compile every bucket the samples need
+        t0 = time.perf_counter()
+        scored = scorer.p_pass(samples)
+        dt = time.perf_counter() - t0
+    p = np.asarray([s.p_pass for s in scored])
+    ok = bool(np.isfinite(p).all() and ((p >= 0) & (p <= 1)).all())
+    log(f"score_throughput (tiny judge, batch {batch}): {len(samples) / dt:.1f} samples/s over {len(samples)} "
+        f"samples  [{'pass' if ok else 'FAIL'}]")
+    return {"samples": len(samples), "batch": batch, "seconds": dt, "samples_per_s": len(samples) / dt, "pass": ok}
+
+
+CHECKS = {"flash_attention": check_flash_attention, "ragged_dot": check_ragged_dot,
+          "train_step": check_train_step, "score_throughput": check_score_throughput}
+
+
+def main() -> int:
+    import jax
+    backend = jax.default_backend()
+    if backend != "gpu":
+        log(f"gpu_check needs a GPU (jax {jax.__version__} found only the '{backend}' platform): nothing checked.")
+        print(json.dumps({"bench": "gpu_check", "skipped": True, "reason": f"no GPU (platform {backend})",
+                          "jax": jax.__version__}), flush=True)
+        return 0
+    dev = jax.local_devices()[0]
+    log(f"gpu_check: jax {jax.__version__}, {jax.local_device_count()} x {dev.device_kind}")
+    results: dict = {}
+    t_all = time.time()
+    for name, fn in CHECKS.items():
+        t0 = time.time()
+        try:
+            results[name] = fn()
+        except Exception as e:  # noqa: BLE001 - one broken path must not hide the others
+            traceback.print_exc()
+            results[name] = {"pass": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+            log(f"{name}: ERROR {type(e).__name__}: {str(e)[:300]}  [FAIL]")
+        results[name]["seconds"] = round(time.time() - t0, 1)
+    summary = {"bench": "gpu_check", "jax": jax.__version__, "device": dev.device_kind,
+               "devices": jax.local_device_count(), "seconds": round(time.time() - t_all, 1),
+               "pass": {k: bool(v.get("pass")) for k, v in results.items()},
+               "all_pass": all(bool(v.get("pass")) for v in results.values()), "checks": results}
+    print(json.dumps(summary, default=float), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
