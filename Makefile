@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/python -m launch.demo --workdir=runs/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

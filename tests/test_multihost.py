@@ -21,13 +21,10 @@ import time
 import pytest
 
 from rm_jax.train.metrics_log import read_metrics
+from run_flags import OVERRIDES, TIMING, override_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING = {"tokens_per_s", "samples_per_s"}
-RUN = dict(global_batch=8, steps=6, checkpoint_every=2, eval_every=3, eval_batches=1, log_every=1,
-           max_patches=2048, max_images=16, tensorboard=False)
-SMALL_MODEL = {"model.text_config.num_hidden_layers": 2, "model.vision_config.depth": 1,
-               "model.vision_config.deepstack_visual_indexes": "(0,)"}
+RUN = OVERRIDES
 
 
 def _free_port() -> int:
@@ -37,7 +34,7 @@ def _free_port() -> int:
 
 
 def _cmd(workdir, shards, cluster=()):
-    flags = [f"--config.train.{k}={v}" for k, v in RUN.items()] + [f"--config.{k}={v}" for k, v in SMALL_MODEL.items()]
+    flags = override_flags(RUN)
     return [sys.executable, "-m", "launch.train", f"--config={REPO}/configs/tiny.py", f"--workdir={workdir}",
             f"--config.data.dir={shards}", *flags, *cluster]
 

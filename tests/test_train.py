@@ -17,17 +17,9 @@ from rm_jax.train import loop, optim
 from rm_jax.train.metrics_log import read_metrics
 from rm_jax.train.step import StepBuilder, StepConfig, host_batch_to_device
 from rm_jax.train.loss import LossConfig
+from run_flags import OVERRIDES, TIMING, override_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING = {"tokens_per_s", "samples_per_s"}
-OVERRIDES = dict(global_batch=8, steps=6, checkpoint_every=2, eval_every=3, eval_batches=1, log_every=1,
-                 max_patches=2048, max_images=16, tensorboard=False)
-
-
-# A shallower judge keeps compile time (most of these tests' cost) down; depth is not what
-# these tests are about (the scanned stacks are covered by the model tests).
-SMALL_MODEL = {"model.text_config.num_hidden_layers": 2, "model.vision_config.depth": 1,
-               "model.vision_config.deepstack_visual_indexes": "(0,)"}
 
 
 def _cfg(tiny_cfg, shards, **over):
@@ -93,12 +85,12 @@ def test_sharded_step_equals_single_device(tiny_cfg, built_shards):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=5e-5)
 
 
-KILL_RUN = dict(OVERRIDES, global_batch=4, steps=4, checkpoint_every=2, eval_every=2)
+# 8 steps: the kill lands after checkpoint 2 with steps to spare even on a loaded host
+KILL_RUN = dict(OVERRIDES, global_batch=4, steps=8, checkpoint_every=2, eval_every=2)
 
 
 def _train_cmd(workdir, shards):
-    flags = [f"--config.train.{k}={v}" for k, v in KILL_RUN.items()]
-    flags += [f"--config.{k}={v}" for k, v in SMALL_MODEL.items()]
+    flags = override_flags(KILL_RUN)
     return [sys.executable, "-m", "launch.train", f"--config={REPO}/configs/tiny.py", f"--workdir={workdir}",
             f"--config.data.dir={shards}", *flags]
 
@@ -117,7 +109,7 @@ def test_kill9_resume_and_damaged_fallback(built_shards, tmp_path):
     env = _env(tmp_path / "jax_cache")
     subprocess.run(_train_cmd(ref, shards), check=True, cwd=REPO, env=env, capture_output=True)
     reference = _strip(read_metrics(str(ref)))
-    assert [r["step"] for r in reference] == list(range(1, 5))
+    assert [r["step"] for r in reference] == list(range(1, 9))
     assert all("val_loss" in r for r in reference if r["step"] % 2 == 0)
 
     proc = subprocess.Popen(_train_cmd(crash, shards), cwd=REPO, env=env,
@@ -130,12 +122,12 @@ def test_kill9_resume_and_damaged_fallback(built_shards, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = max(r["step"] for r in read_metrics(str(crash)))
-    assert killed_at < 4, "the kill came too late to test a resume"
+    assert killed_at < 8, "the kill came too late to test a resume"
     subprocess.run(_train_cmd(crash, shards), check=True, cwd=REPO, env=env, capture_output=True)
     assert _strip(read_metrics(str(crash))) == reference
 
     # damage the newest checkpoint: the run falls back to the previous one and says so
-    for root, _, files in os.walk(crash / "checkpoints" / "4" / "state"):
+    for root, _, files in os.walk(crash / "checkpoints" / "8" / "state"):
         for f in files:
             if os.path.getsize(os.path.join(root, f)) > 0:
                 with open(os.path.join(root, f), "wb") as fh:
@@ -143,7 +135,7 @@ def test_kill9_resume_and_damaged_fallback(built_shards, tmp_path):
     out = subprocess.run(_train_cmd(crash, shards), check=True, cwd=REPO, env=env, capture_output=True, text=True)
     assert "damaged" in out.stderr and "falling back" in out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["resumed_from"] == 2 and summary["skipped_damaged"] == [4]
+    assert summary["resumed_from"] == 6 and summary["skipped_damaged"] == [8]
     assert os.listdir(str(crash / "checkpoints_damaged"))
     assert _strip(read_metrics(str(crash))) == reference
 

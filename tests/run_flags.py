@@ -1,0 +1,18 @@
+"""Command-line overrides for the tiny training runs that tests start as `launch.train` subprocesses."""
+
+# Wall-clock figures in metrics.jsonl: left out when two runs' rows are compared.
+TIMING = {"tokens_per_s", "samples_per_s"}
+
+# A short run: checkpoints, validation and logging all happen within it.
+OVERRIDES = dict(global_batch=8, steps=6, checkpoint_every=2, eval_every=3, eval_batches=1, log_every=1,
+                 max_patches=2048, max_images=16, tensorboard=False)
+
+# A shallower judge keeps compile time (most of these tests' cost) down; depth is not what
+# these tests are about (the scanned stacks are covered by the model tests).
+SMALL_MODEL = {"model.text_config.num_hidden_layers": 2, "model.vision_config.depth": 1,
+               "model.vision_config.deepstack_visual_indexes": "(0,)"}
+
+
+def override_flags(train: dict) -> list[str]:
+    """`--config.train.K=V` for each entry of ``train``, then the small-model overrides."""
+    return [f"--config.train.{k}={v}" for k, v in train.items()] + [f"--config.{k}={v}" for k, v in SMALL_MODEL.items()]
