@@ -15,7 +15,6 @@ counters, data-iterator states) are exchanged with the helpers below. Files shar
 from __future__ import annotations
 
 import dataclasses
-
 import json
 
 import jax
@@ -73,9 +72,9 @@ def allgather_host(x: np.ndarray) -> np.ndarray:
 
 def allgather_json(obj) -> list:
     """Every process's JSON-serializable `obj`, in process order (small values: iterator states)."""
-    raw = np.frombuffer(json.dumps(obj, sort_keys=True).encode(), np.uint8)
     if jax.process_count() == 1:
         return [obj]
+    raw = np.frombuffer(json.dumps(obj, sort_keys=True).encode(), np.uint8)
     n = int(allgather_host(np.array([raw.size], np.int64)).max())
     buf = np.zeros(n, np.uint8)
     buf[:raw.size] = raw
