@@ -1,11 +1,12 @@
 """Reward server under load: 64 concurrent loopback clients vs in-process batched scoring.
 
-    python -m benchmarks.serve_load [--clients=64 --seconds=30 --max_batch=32 --n=96 --compile_cache=DIR]
+    python -m benchmarks.serve_load [--clients=64 --seconds=30 --max_batch=32 --n=192 --compile_cache=DIR]
 
 The tiny judge (configs/tiny.py, random weights, the synthetic tokenizer) is served by the real
 app (``rm_jax.serve.app``) under uvicorn on 127.0.0.1 in this process; ``--clients`` asyncio
-clients each post ``/v1/score`` requests of 1-8 consecutive samples from a pool of ``--n``
-synthetic samples (GRPO-style groups of 3, with images), back to back, for a bounded time.
+clients each post ``/v1/score`` requests of 1-8 consecutive samples, taken in turn from one cursor
+cycling over a pool of ``--n`` synthetic samples (GRPO-style groups of 3, with images), back to
+back, for a bounded time.
 The baseline is the same ``Scorer`` scoring the whole pool in-process in batches of
 ``--max_batch`` (what ``launch.score`` does): the ratio shows how much of the device's batched
 throughput survives HTTP, JSON and dynamic batching. Both are warmed up first (compiles). Full
@@ -38,7 +39,7 @@ flags.DEFINE_float("warmup_max_seconds", 900.0, "stop warming up after this long
 flags.DEFINE_string("compile_cache", "", "JAX persistent compilation cache dir (reruns skip the warm-up compiles)")
 flags.DEFINE_integer("max_batch", 32, "server batch = in-process batch")
 flags.DEFINE_float("max_wait_ms", 10.0, "server batching window")
-flags.DEFINE_integer("n", 96, "sample pool")
+flags.DEFINE_integer("n", 192, "sample pool (more than one server call holds, so a call rarely repeats a sample)")
 flags.DEFINE_integer("max_new_tokens", 32, "decoding budget after the verdict")
 flags.DEFINE_integer("seed", 0, "request mix")
 flags.DEFINE_bool("text_only", False, "pool without images: far fewer static shapes, so the warm-up ends sooner")
@@ -61,15 +62,22 @@ async def _load(url: str, pool: list[dict], clients: int, seconds: float, seed: 
     latencies: list[float] = []
     errors = samples = requests = 0
     end = time.perf_counter() + seconds
+    cursor = [rng.randrange(len(pool))]
+
+    def take(k: int) -> list[dict]:
+        # Consecutive samples from one cursor cycling over the pool: concurrent requests carry
+        # different samples, as RL rollouts do (random windows would repeat samples in a batch
+        # and make the server recompute them).
+        start, cursor[0] = cursor[0], (cursor[0] + k) % len(pool)
+        return [pool[(start + i) % len(pool)] for i in range(k)]
 
     async def client(c: httpx.AsyncClient, r: random.Random):
         nonlocal errors, samples, requests
         while time.perf_counter() < end:
             k = r.randint(1, 8)
-            start = r.randrange(0, len(pool) - k + 1)
             t0 = time.perf_counter()
             try:
-                resp = await c.post("/v1/score", json={"samples": pool[start:start + k], "mode": "full"})
+                resp = await c.post("/v1/score", json={"samples": take(k), "mode": "full"})
                 ok = resp.status_code == 200 and all("error" not in row for row in resp.json()["results"])
             except Exception:   # noqa: BLE001 -- counted, the load goes on
                 ok = False

@@ -1,6 +1,7 @@
 """Grain loader: deterministic order, exact resume, oversampling in the stream, static shapes."""
 
 import numpy as np
+import pytest
 
 from rm_jax.data import loader, records
 
@@ -78,3 +79,23 @@ def test_process_slices_are_the_one_process_batch(built_shards):
                 np.testing.assert_array_equal(np.concatenate([a[key], b[key]]), w[key])
     held = records.load_index(out, "heldout")["label"]
     assert sum(int(b["example_valid"].sum()) for b in whole) == len(held)
+
+
+def test_image_ladder_fits_every_batch_on_few_rungs():
+    from rm_jax.data.loader import ImageLadder
+    ladder = ImageLadder.for_frame_capacity(256, merge=2)
+    rng = np.random.default_rng(0)
+    shapes = set()
+    for _ in range(2000):
+        images_per_sample = rng.integers(0, 3, size=rng.integers(1, 33))
+        patches = sum(int(rng.integers(4, 65)) * 4 for _ in range(int(images_per_sample.sum())))
+        n_images = int(images_per_sample.sum())
+        p_pad, g_pad = ladder.pad(patches, n_images)
+        assert p_pad >= patches and g_pad >= n_images and p_pad % 4 == 0
+        assert g_pad & (g_pad - 1) == 0
+        shapes.add((p_pad, g_pad))
+    # one shape per rung: 1..64 image rows on 7 rungs, instead of one per (patch, row) power pair
+    assert len(shapes) <= 7, sorted(shapes)
+    assert ladder.pad(0, 0) == (128, 1)
+    with pytest.raises(ValueError):
+        ImageLadder(0)

@@ -87,6 +87,16 @@ def test_p_pass_equals_transformers(judge, renderer, samples, scorer):
         assert 0.0 <= got.off_vocab_mass <= 1.0
 
 
+def test_image_ladder_padding_leaves_p_pass_unchanged(judge, renderer, samples, scorer):
+    """The serving shapes (run's frame budget, an ImageLadder rung) read the same P(pass)."""
+    _, model, _, _ = judge
+    laddered = Scorer(model, renderer, field_order=VERDICT_FIRST, buckets=BUCKETS, batch_size=4,
+                      max_new_tokens=48, progress=False, frame_capacity=256)
+    assert laddered._ladder.patches_per_image == 128
+    for a, b in zip(scorer.p_pass(samples), laddered.p_pass(samples)):
+        assert a.id == b.id and abs(a.p_pass - b.p_pass) < 1e-5, (a, b)
+
+
 def test_score_verdict_first(renderer, samples, scorer):
     quick = scorer.p_pass(samples)
     results = scorer.score(samples)

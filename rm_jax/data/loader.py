@@ -50,6 +50,34 @@ def _next_pow2(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageLadder:
+    """One rung per power of two of image rows, with patches tied to it, for traffic whose batches
+    differ (a server): a batch of G images and P patches pads to the lowest rung k with
+    G <= 2**k and P <= 2**k * patches_per_image. Padding patches and image rows independently to
+    powers of two gives a static shape per (patch rung, image rung) pair, each its own compile;
+    the two counts move together, so one ladder of a few rungs covers them."""
+    patches_per_image: int          # a multiple of spatial_merge_size**2 (padding rows come in those)
+    min_patches: int = 64
+
+    def __post_init__(self):
+        if self.patches_per_image <= 0 or self.min_patches <= 0:
+            raise ValueError(f"ImageLadder needs positive sizes, got {self}")
+
+    @classmethod
+    def for_frame_capacity(cls, frame_capacity: int, merge: int, min_patches: int = 64) -> "ImageLadder":
+        """Half the largest image per rung: typical images fill a rung, the largest push one up."""
+        unit = merge * merge
+        return cls(max(unit, -(-(frame_capacity // 2) // unit) * unit), -(-min_patches // unit) * unit)
+
+    def pad(self, n_patches: int, n_images: int) -> tuple[int, int]:
+        """(padded patches, padded image rows) of a batch holding n_patches over n_images."""
+        k = max(0, (max(n_images, 1) - 1).bit_length())
+        while (1 << k) * self.patches_per_image < n_patches:
+            k += 1
+        return max(self.min_patches, (1 << k) * self.patches_per_image), 1 << k
+
+
 def pick_bucket(length: int, buckets: Sequence[int]) -> int:
     for b in buckets:
         if length <= b:
@@ -60,15 +88,19 @@ def pick_bucket(length: int, buckets: Sequence[int]) -> int:
 class Collate:
     """Pads a list of decoded records into one static-shape batch dict.
 
-    Patches and image rows are padded to powers of two, or to exactly `fixed_patches` /
-    `fixed_images` when given (training: one shape for the whole run); a batch that exceeds a
-    fixed budget raises rather than dropping images."""
+    Patches and image rows are padded to powers of two, to exactly `fixed_patches` /
+    `fixed_images` when given (training: one shape for the whole run; a batch that exceeds a
+    fixed budget raises rather than dropping images), or to a rung of `ladder` (scoring and
+    serving: few shapes over batches that differ)."""
 
     def __init__(self, batch_size: int, buckets: Sequence[int], pad_id: int, patch_dim: int,
-                 min_patch_bucket: int = 64, fixed_patches: int | None = None, fixed_images: int | None = None):
+                 min_patch_bucket: int = 64, fixed_patches: int | None = None, fixed_images: int | None = None,
+                 ladder: ImageLadder | None = None):
+        if ladder is not None and (fixed_patches is not None or fixed_images is not None):
+            raise ValueError("Collate takes either fixed image budgets or an ImageLadder, not both")
         self.batch_size, self.buckets, self.pad_id = batch_size, tuple(sorted(buckets)), pad_id
         self.patch_dim, self.min_patch_bucket = patch_dim, min_patch_bucket
-        self.fixed_patches, self.fixed_images = fixed_patches, fixed_images
+        self.fixed_patches, self.fixed_images, self.ladder = fixed_patches, fixed_images, ladder
 
     def _pad_size(self, n: int, fixed: int | None, floor: int, what: str) -> int:
         if fixed is None:
@@ -99,12 +131,16 @@ class Collate:
                 pixels.append(it["pixel_values"])
                 grids.append(it["image_grid_thw"])
         P = sum(p.shape[0] for p in pixels)
-        P_pad = self._pad_size(P, self.fixed_patches, self.min_patch_bucket, "patches")
+        G = sum(g.shape[0] for g in grids)
+        if self.ladder is not None:
+            P_pad, G_pad = self.ladder.pad(P, G)
+        else:
+            P_pad = self._pad_size(P, self.fixed_patches, self.min_patch_bucket, "patches")
+            G_pad = self._pad_size(G, self.fixed_images, 1, "images")
         pixel_values = np.zeros((P_pad, self.patch_dim), pixels[0].dtype if pixels else np.float16)
         if pixels:
             pixel_values[:P] = np.concatenate(pixels)
-        G = sum(g.shape[0] for g in grids)
-        grid = np.zeros((self._pad_size(G, self.fixed_images, 1, "images"), 3), np.int32)  # zero rows: 0 patches
+        grid = np.zeros((G_pad, 3), np.int32)  # zero rows: 0 patches
         if grids:
             grid[:G] = np.concatenate(grids)
         image_valid = (grid.prod(-1) > 0).astype(np.int32)

@@ -147,8 +147,8 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
     for step in steps:
         ts = time.time()
         model, _, _ = load_judge(workdir, step)
-        scorer = Scorer(model, renderer, field_order=tuple(cfg.data.field_order), buckets=tuple(cfg.data.buckets),
-                        batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
+        scorer = Scorer.for_run(model, renderer, cfg, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                progress=progress)
         results = scorer.score(heldout) if decode else scorer.p_pass(heldout)
         per_step[step] = StepScores(step, results, evaluate_results(heldout, results), time.time() - ts)
         print(f"step {step}: auc {per_step[step].metrics['auc']}, middle zone "

@@ -56,8 +56,8 @@ def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None
             continue
         rows.append(None)
         good.append(item)
-    scorer = Scorer(model, renderer, field_order=tuple(cfg.data.field_order), buckets=tuple(cfg.data.buckets),
-                    batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
+    scorer = Scorer.for_run(model, renderer, cfg, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                            progress=progress)
     results = iter(zip(good, scorer.score(good)))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     n_err = n_scored = 0

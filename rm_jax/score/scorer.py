@@ -22,9 +22,10 @@ Design choices:
   ``logits=False``; only each row's last hidden state meets the LM head (``head_dv()``), so the
   vocabulary matmul is ``[B, D] x [D, V]``, not ``[B, T, D] x [D, V]``.
 * **Static shapes.** Samples are sorted by length and batched; each batch is padded like the
-  training loader (``loader.Collate``: the smallest length bucket that fits, patches and image rows
-  to powers of two, right padding, a fixed batch size with filler rows), so a run compiles one
-  prefill (and one decode loop) per bucket, whatever the samples. Filler rows hold one pad token
+  training loader (``loader.Collate``: the smallest length bucket that fits, right padding, a fixed
+  batch size with filler rows; with ``frame_capacity``, the run's vision frame budget and image
+  rows and patches on one ``ImageLadder`` rung, otherwise powers of two each), so a run compiles
+  one prefill (and one decode loop) per bucket and rung, whatever the samples. Filler rows hold one pad token
   so that no row is empty; their results are dropped.
 * **Shared prefixes (GRPO groups).** Samples with one ``prompt_id`` and the same images share
   their rendered prompt up to the response. With ``share_prefix`` (the default, verdict-first)
@@ -141,7 +142,8 @@ def _in_flight(calls, depth: int = 2):
 class Scorer:
     def __init__(self, model: Qwen3VLMoeJudge, renderer: Renderer, *, field_order: Sequence[str] | None = None,
                  buckets: Sequence[int], batch_size: int, max_new_tokens: int = 128, mesh=None,
-                 progress: bool | None = None, share_prefix: bool = True, min_shared_tokens: int = 32):
+                 progress: bool | None = None, share_prefix: bool = True, min_shared_tokens: int = 32,
+                 frame_capacity: int | None = None):
         order = tuple(field_order) if field_order is not None else tuple(renderer.cfg.field_order)
         if order != tuple(renderer.cfg.field_order):
             # The slot prefix and the decoded JSON follow the order the judge was trained on.
@@ -154,6 +156,11 @@ class Scorer:
         self.mesh = mesh if mesh is not None else getattr(model, "mesh", None)
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.share_prefix, self.min_shared_tokens = bool(share_prefix), int(min_shared_tokens)
+        # The run's patches-per-frame budget (``train.loop.frame_capacity``): one vision shape, and
+        # image batches padded to an ImageLadder rung. None: powers of two that fit each batch.
+        self.frame_capacity = None if frame_capacity is None else int(frame_capacity)
+        self._ladder = None if frame_capacity is None else loader_lib.ImageLadder.for_frame_capacity(
+            self.frame_capacity, model.cfg.vision.spatial_merge_size)
         self.decoder = Decoder(model, self.mesh)
         tok = renderer.tokenizer
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else renderer.eos_id)
@@ -171,6 +178,16 @@ class Scorer:
                 raise ValueError(f"batch_size={self.batch_size} is not divisible by the mesh's batch axes "
                                  f"{axes} = {shards} devices")
             self._batch_spec = axes
+
+    @classmethod
+    def for_run(cls, model, renderer: Renderer, run_cfg, **kwargs) -> "Scorer":
+        """A scorer with the training run's field order, length buckets and image frame budget."""
+        from rm_jax.data.images import ImageBudget
+        vision = model.cfg.vision
+        capacity = ImageBudget.from_config(run_cfg.data.image).max_patches(vision.patch_size,
+                                                                          vision.spatial_merge_size)
+        return cls(model, renderer, field_order=tuple(run_cfg.data.field_order), buckets=tuple(run_cfg.data.buckets),
+                   frame_capacity=capacity, **kwargs)
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -386,7 +403,8 @@ class Scorer:
         """(token ids, the rendered sample whose images they hold) -> one padded batch, as the
         training loader pads (``loader.Collate``); filler rows hold one pad token, never empty."""
         cfg = self.model.cfg
-        collate = loader_lib.Collate(self.batch_size, self.buckets, self.pad_id, cfg.vision.patch_dim)
+        collate = loader_lib.Collate(self.batch_size, self.buckets, self.pad_id, cfg.vision.patch_dim,
+                                     ladder=self._ladder)
         b = collate([{"input_ids": ids, "target_mask": np.zeros(len(ids), np.uint8), "verdict_pos": -1,
                       "label": -1, "route_tool_call": 0, "has_image": int(ji.has_image),
                       "pixel_values": ji.pixel_values, "image_grid_thw": ji.image_grid_thw}
@@ -394,7 +412,7 @@ class Scorer:
         mask = b["attention_mask"]
         mask[len(prompts):, 0] = 1
         return prepare_inputs(cfg, b["input_ids"], mask, b["pixel_values"], b["image_grid_thw"],
-                              attention="lengths")
+                              attention="lengths", frame_capacity=self.frame_capacity)
 
     def _to_device(self, inputs: JudgeInputs) -> JudgeInputs:
         if self.mesh is None:

@@ -73,9 +73,8 @@ class Engine:
         self.reward = reward
         self.model_type = str(run_cfg.model.get("model_type", "qwen3_vl_moe"))
         self.max_batch = int(max_batch)
-        self.scorer = Scorer(model, renderer, field_order=tuple(run_cfg.data.field_order),
-                             buckets=tuple(run_cfg.data.buckets), batch_size=self.max_batch,
-                             max_new_tokens=max_new_tokens, progress=False)
+        self.scorer = Scorer.for_run(model, renderer, run_cfg, batch_size=self.max_batch,
+                                     max_new_tokens=max_new_tokens, progress=False)
         self.decoder: Decoder = self.scorer.decoder          # one split of the weights for both paths
         tok = renderer.tokenizer
         self.pad_id = self.scorer.pad_id
