@@ -1,9 +1,12 @@
 """The whole pipeline on the embedded default, one command: `make demo`.
 
-  python -m launch.demo [--workdir=runs/demo] [--n=10000] [--fail_rate=0.3] [--seed=0] [--train_steps=0]
+  python -m launch.demo [--workdir=runs/demo] [--n=10000] [--fail_rate=0.3] [--seed=0] [--train_steps=500]
+      [--policy_steps=300] [--oversample_fail=1]
 
 Each stage runs through its own CLI (exactly what a user would type), timed:
-synth -> build_data -> train -> sweep -> score. Writes WORKDIR/report.json (with a `chosen`
+synth -> policy_sft (next-token SFT on the passing responses, exported with launch.convert --to_hf;
+cached by content hash under WORKDIR/policy) -> build_data -> train (the judge, initialized from the
+policy with train.init_from) -> sweep -> score. Writes WORKDIR/report.json (with a `chosen`
 object: the step and the judge_metrics keys), WORKDIR/report.md and WORKDIR/plots/ (the sweep's
 plots and the training curve). Runs from any directory.
 """
@@ -27,7 +30,10 @@ _N = flags.DEFINE_integer("n", 10000, "synthetic samples")
 _FAIL_RATE = flags.DEFINE_float("fail_rate", 0.3, "synthetic failure rate")
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
 _CONFIG = flags.DEFINE_string("config", DEFAULT_CONFIG, "config file for every stage")
-_TRAIN_STEPS = flags.DEFINE_integer("train_steps", 0, "override train.steps (0 = the config's epochs)")
+_TRAIN_STEPS = flags.DEFINE_integer("train_steps", 500, "override train.steps (0 = the config's epochs)")
+_POLICY_STEPS = flags.DEFINE_integer("policy_steps", 300, "policy SFT steps (0 = judge from random init)")
+# The held-out split is 30% failures; an unshifted stream keeps P(pass) calibrated to it.
+_OVERSAMPLE = flags.DEFINE_integer("oversample_fail", 1, "data.oversample_fail for the judge's training stream")
 _SCORE_N = flags.DEFINE_integer("score_n", 64, "rows of the input scored by the score stage")
 _SWEEP_MAX = flags.DEFINE_integer("sweep_max_samples", 700, "held-out samples the sweep scores per checkpoint (0 = all)")
 
@@ -73,11 +79,19 @@ def main(argv):
     t0 = time.time()
     _run("synth", [f"--out={data}", f"--n={_N.value}", f"--seed={_SEED.value}", f"--fail_rate={_FAIL_RATE.value}"],
          timings)
-    _run("build_data", [f"--input={data}/samples.jsonl", f"--out={shards}", f"--config={_CONFIG.value}"], timings)
+    policy_hf = ""
+    if _POLICY_STEPS.value:
+        _run("policy_sft", [f"--input={data}/samples.jsonl", f"--out={work}/policy", f"--config={_CONFIG.value}",
+                            f"--steps={_POLICY_STEPS.value}"], timings)
+        policy_hf = os.path.join(work, "policy", "hf")
+    oversample = f"--config.data.oversample_fail={_OVERSAMPLE.value}"
+    _run("build_data", [f"--input={data}/samples.jsonl", f"--out={shards}", f"--config={_CONFIG.value}", oversample],
+         timings)
     with open(os.path.join(shards, "stats.json")) as f:
         stats = json.load(f)
     loader_info = _loader_check(shards, timings)
-    train_args = [f"--config={_CONFIG.value}", f"--workdir={run}", f"--config.data.dir={shards}"]
+    train_args = [f"--config={_CONFIG.value}", f"--workdir={run}", f"--config.data.dir={shards}", oversample,
+                  f"--config.train.init_from={policy_hf}"]
     if _TRAIN_STEPS.value:
         train_args.append(f"--config.train.steps={_TRAIN_STEPS.value}")
     if os.path.isdir(run):

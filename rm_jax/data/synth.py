@@ -421,7 +421,7 @@ def _build_followup(rng: np.random.Generator, k: int, images: ImageWriter) -> Pr
     messages = [_system(rng),
                 {"role": "user", "content": f"Make a {spec.colour} {spec.shape}, {spec.resolution}, aspect ratio {spec.aspect}."},
                 {"role": "assistant", "content": _pick(rng, ("Generating it now.", "On it."))},
-                _tool_message(rng, "generate_image", {"status": "ok", "images": [
+                _tool_message(rng, "generate_image", {"status": "ok", "count": 1, "images": [
                     {"image": gen.path, "width": w, "height": h}]})]
     if rng.random() < 0.5:
         messages.append({"role": "assistant", "content": "Here is the result."})
@@ -538,7 +538,7 @@ def _build_delivery(rng: np.random.Generator, k: int, images: ImageWriter) -> Pr
                 {"role": "user", "content": f"Please make {_plural(spec.count)} of a {spec.colour} {spec.shape}, "
                                             f"{spec.resolution}, aspect ratio {spec.aspect}."},
                 {"role": "assistant", "content": _pick(rng, ("Working on it.", "Generating now."))},
-                _tool_message(rng, "generate_image", {"status": "ok", "images": [
+                _tool_message(rng, "generate_image", {"status": "ok", "count": k_real, "images": [
                     {"image": g.path, "width": w, "height": h} for g in gens]})]
     tools = _tool_subset(rng, ["generate_image"], n_total=1)
     own_file = f"gen_{k}_0.png"
@@ -678,10 +678,10 @@ def _build_correction(rng: np.random.Generator, k: int, images: ImageWriter) -> 
     if rng.random() < 0.5:
         g = images.generated(rng, f"gen_{k}_0", done.colour, done.shape, done.aspect)
         drawn.append(g)
-        messages.append(_tool_message(rng, "generate_image", {"status": "ok", "images": [
+        messages.append(_tool_message(rng, "generate_image", {"status": "ok", "count": 1, "images": [
             {"image": g.path, "width": w, "height": h}]}))
     else:
-        messages.append(_tool_message(rng, "generate_image", {"status": "ok", "width": w, "height": h}))
+        messages.append(_tool_message(rng, "generate_image", {"status": "ok", "count": 1, "width": w, "height": h}))
     messages.append({"role": "assistant",
                      "content": f"Here is a {done.colour} {done.shape} at {done.resolution}, {done.aspect}."})
     messages.append({"role": "user", "content": _pick(rng, (

@@ -45,7 +45,7 @@ TOOLS_FOOTER = ("\n</tools>\n\nCall a function as <tool_call>\n{\"name\": <funct
 # GPT-2's split, except that a run of punctuation may contain single spaces: JSON glue such as
 # `", "`, `": "` or `"}, {"` becomes one piece (JSON is most of the judge input), while letters
 # and digits stay separate pieces, so `pass`/`fail` and values like `2K` are never glued to quotes.
-PRETOKENIZE_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+(?: [^\s\p{L}\p{N}]+)*"
+PRETOKENIZE_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d|\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+(?: [^\s\p{L}\p{N}]+)*"
                      r"|\s+(?!\S)|\s+")
 
 # Jinja: modelled on Qwen3-VL's template (same structure and markers), minus video and thinking.
