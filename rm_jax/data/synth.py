@@ -163,6 +163,7 @@ class SynthConfig:
     seed: int = 0
     fail_rate: float = 0.08
     responses_per_prompt: int = 3
+    rule_violation_rate: float = 0.0   # share of all responses given a rule violation (RULE_VIOLATIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -756,8 +757,61 @@ def generate(cfg: SynthConfig, out_dir: str) -> list[dict]:
                 sample["reference_reply"] = online_reply(ref_rng, judged.response["content"],
                                                          prompt.reference_reply, fail)
             sample["label"] = _label(rrng, judged.verdict, has_image)
+            if judged.response["tool_calls"] and cfg.rule_violation_rate > 0:
+                # Its own generator, like the reference reply: no other draw shifts.
+                vrng = np.random.default_rng((cfg.seed, k, 3, j))
+                if vrng.random() < min(1.0, cfg.rule_violation_rate / TOOL_CALL_SHARE):
+                    sample = violate_rules(vrng, sample, has_image)
             samples.append(_articles(sample))
     return samples
+
+
+TOOL_CALL_SHARE = KIND_WEIGHTS[0] + KIND_WEIGHTS[1]   # generate + followup: the responses that call tools
+# What the reward's rules catch (rm_jax.score.rules), each with the teacher issue it is labelled as.
+RULE_VIOLATIONS = {"malformed_call": "wrong_param", "unknown_tool": "wrong_tool",
+                   "missing_required": "missing_param", "duplicate_call": "extra_call"}
+
+
+def _plain_args(call: dict) -> dict:
+    args = call["function"]["arguments"]
+    while isinstance(args, str):
+        args = json.loads(args)
+    return args
+
+
+def violate_rules(rng: np.random.Generator, sample: dict, has_image: bool) -> dict:
+    """A tool-calling response turned into one the reward's rules reject: an unclosed argument
+    object (gated), a tool the prompt does not offer (gated), a required argument left out or an
+    exact duplicate call (penalties). Always a failure: the label says which and why."""
+    kind = _pick(rng, tuple(RULE_VIOLATIONS))
+    calls = [json.loads(json.dumps(c)) for c in sample["response"]["tool_calls"]]
+    i = int(rng.integers(len(calls)))
+    fn = calls[i]["function"]
+    offered = {t["function"]["name"] for t in sample["tools"]}
+    if kind == "malformed_call":
+        fn["arguments"] = json.dumps(_plain_args(calls[i]), ensure_ascii=False)[:-1]   # unclosed object
+        reason = f"the {fn['name']} call's arguments are not a closed JSON object"
+    elif kind == "unknown_tool":
+        old = fn["name"]
+        fn["name"] = _pick(rng, sorted(set(TOOLS) - offered))
+        reason = f"calls {fn['name']}, which this conversation does not offer, instead of {old}"
+    elif kind == "missing_required":
+        args = _plain_args(calls[i])
+        required = [a for a in TOOLS[fn["name"]]["function"]["parameters"]["required"] if a in args]
+        gone = _pick(rng, required)
+        del args[gone]
+        fn["arguments"] = args
+        reason = f"the {fn['name']} call leaves out the required argument {gone}"
+    else:
+        dup = json.loads(json.dumps(calls[i]))
+        dup["id"] = f"{calls[i]['id']}_dup"
+        calls.insert(i + 1, dup)
+        reason = f"calls {fn['name']} twice with the same arguments"
+    out = dict(sample)
+    out["response"] = {"content": sample["response"]["content"], "tool_calls": calls}
+    out["label"] = {"l3": "fail", "reason": reason, "issues": [RULE_VIOLATIONS[kind]],
+                    "img": sample["label"]["img"] if has_image else None}
+    return out
 
 
 # Words an online reply adds or swaps in: wording noise that carries no content.
@@ -838,10 +892,10 @@ def corpus_texts(samples: list[dict]) -> list[str]:
 
 
 def write_dataset(out_dir: str, n: int, seed: int = 0, fail_rate: float = 0.08,
-                  with_tokenizer: bool = True, vocab_size: int = 4096) -> dict:
+                  with_tokenizer: bool = True, vocab_size: int = 4096, rule_violation_rate: float = 0.0) -> dict:
     """samples.jsonl + images/ + tokenizer/ under out_dir; returns a small summary."""
     os.makedirs(out_dir, exist_ok=True)
-    cfg = SynthConfig(n=n, seed=seed, fail_rate=fail_rate)
+    cfg = SynthConfig(n=n, seed=seed, fail_rate=fail_rate, rule_violation_rate=rule_violation_rate)
     samples = generate(cfg, out_dir)
     with open(os.path.join(out_dir, "samples.jsonl"), "w", encoding="utf-8") as f:
         for s in samples:
