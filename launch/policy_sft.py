@@ -21,7 +21,7 @@ import sys
 
 from absl import app, flags, logging
 
-from launch.common import REPO_ROOT, define_config_flag
+from launch.common import DEFAULT_CONFIG, REPO_ROOT, define_config_flag
 
 _INPUT = flags.DEFINE_string("input", None, "samples JSONL (DESIGN §4 contract)", required=True)
 _OUT = flags.DEFINE_string("out", None, "stage directory", required=True)
@@ -42,7 +42,8 @@ def config_overrides(argv: list[str]) -> list[str]:
     return [a for a in argv if a.startswith("--config.")]
 
 
-def cache_key(input_path: str, tokenizer_dir: str, config_path: str, overrides: list[str], steps: int) -> str:
+def cache_key(input_path: str, tokenizer_dir: str, config_path: str = DEFAULT_CONFIG, overrides: list[str] = (),
+              steps: int = 400) -> str:
     from rm_jax.utils import file_sha256, tree_sha256
     h = hashlib.sha256()
     parts = {"input": file_sha256(input_path), "tokenizer": tree_sha256(tokenizer_dir),

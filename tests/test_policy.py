@@ -1,5 +1,6 @@
 """The policy SFT stage: its examples, its loss, its export into a judge's init, and its cache."""
 
+import functools
 import json
 import os
 
@@ -149,13 +150,18 @@ def test_policy_stage_cache_reused_when_unchanged_and_rebuilt_when_inputs_change
         policy_sft.main(argv)
         return calls[before:]
 
-    assert stage() == ["build", "launch.train", "launch.convert"]
-    assert stage() == []                                             # same inputs: reused
-    assert stage("--config.train.lr=0.001") == ["build", "launch.train", "launch.convert"]   # an override
-    assert stage("--config.train.lr=0.001") == []
+    rebuilt = ["build", "launch.train", "launch.convert"]
+    assert stage() == rebuilt
+    assert stage() == []                                              # same inputs: reused
+    assert stage("--steps=6") == rebuilt                              # another step count
+    assert stage("--steps=6") == []
     (data / "samples.jsonl").write_text('{"id": "b"}\n')              # new data
-    assert stage("--config.train.lr=0.001") == ["build", "launch.train", "launch.convert"]
+    assert stage("--steps=6") == rebuilt
     (data / "tokenizer" / "tokenizer.json").write_text('{"v": 2}')   # new tokenizer
-    assert stage("--config.train.lr=0.001") == ["build", "launch.train", "launch.convert"]
-    assert stage("--config.train.lr=0.001", "--steps=6") != []       # another step count
+    assert stage("--steps=6") == rebuilt
+    assert stage("--steps=6", "--force") == rebuilt
+    # The user's --config.* overrides are part of the key too.
+    key = functools.partial(policy_sft.cache_key, str(data / "samples.jsonl"), str(data / "tokenizer"),
+                            policy_sft.DEFAULT_CONFIG, steps=6)
+    assert key([]) != key(["--config.train.lr=0.001"]) and key([]) == key([])
     flags.FLAGS.unparse_flags()
