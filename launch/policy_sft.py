@@ -62,16 +62,6 @@ def cached(out: str, key: str) -> bool:
         return json.load(f).get("key") == key
 
 
-def build_policy_shards(input_path: str, out_dir: str, cfg, tokenizer_dir: str) -> dict:
-    from rm_jax.data import build as build_lib
-    from rm_jax.data.policy import PolicyRenderer
-    opts = build_lib.BuildOptions.from_config(cfg.data)
-    renderer = PolicyRenderer.from_config(cfg.data, tokenizer_dir, storage_dtype=opts.pixel_dtype)
-    result = build_lib.build(input_path, out_dir, renderer, opts, config_dict=cfg.to_dict(),
-                             tokenizer_dir=tokenizer_dir, progress=sys.stderr.isatty())
-    return result.stats
-
-
 def _run(args: list[str]) -> None:
     cmd = [sys.executable, "-m", *args]
     print(f"=== {' '.join(cmd[1:])}", flush=True)
@@ -96,6 +86,7 @@ def main(argv):
     for sub in ("shards", "train", "hf"):
         shutil.rmtree(os.path.join(out, sub), ignore_errors=True)
     os.makedirs(out, exist_ok=True)
+    from rm_jax.data.policy import build_policy_shards
     stats = build_policy_shards(input_path, os.path.join(out, "shards"), cfg, tok_dir)
     logging.info("policy shards: %s", {k: stats[k] for k in ("read", "kept", "rejected_by_reason", "splits")})
     pinned = [f"--config.{o}" for o in POLICY_OVERRIDES]

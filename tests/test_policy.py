@@ -3,6 +3,8 @@
 import functools
 import json
 import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,8 @@ from rm_jax.data import schema
 from rm_jax.data.policy import NOT_PASSING, PolicyRenderer
 from rm_jax.train import loop
 from run_flags import OVERRIDES
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +83,14 @@ def test_policy_loss_covers_response_tokens_only_against_numpy(policy_renderer, 
     np.testing.assert_allclose(float(got.loss_sum), want, rtol=1e-5)
 
 
+@pytest.mark.slow   # trains and compiles a model: ~1 min on a quiet host
 def test_policy_export_then_init_from_is_bit_identical(tiny_cfg, synth_dir, tmp_path):
     """The stage's path: train the policy (launch.train's loop), export it with launch.convert's
     orbax_to_hf, start a judge run from it with train.init_from: the judge's initial parameters
     are the policy's trained ones, bit for bit."""
     from flax import nnx
 
-    from launch.convert import orbax_to_hf
-    from launch.policy_sft import build_policy_shards
+    from rm_jax.data.policy import build_policy_shards
     from rm_jax.score.checkpoints import load_judge
     cfg = tiny_cfg.copy_and_resolve_references()
     build_policy_shards(os.path.join(synth_dir, "samples.jsonl"), str(tmp_path / "shards"), cfg,
@@ -99,7 +103,9 @@ def test_policy_export_then_init_from_is_bit_identical(tiny_cfg, synth_dir, tmp_
     cfg.model.vision_config.depth = 1
     cfg.model.vision_config.deepstack_visual_indexes = (0,)
     loop.run(cfg, str(tmp_path / "policy"), progress=False)
-    orbax_to_hf(str(tmp_path / "policy"), str(tmp_path / "hf"), dtype=None, expert_layout=None, step=None)
+    # The CLI a user runs (and launch.policy_sft runs): its own process, its own flags.
+    subprocess.run([sys.executable, "-m", "launch.convert", "--to_hf", f"--ckpt={tmp_path / 'policy'}",
+                    f"--out={tmp_path / 'hf'}"], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     trained, _, _ = load_judge(str(tmp_path / "policy"))
 
     judge_cfg = tiny_cfg.copy_and_resolve_references()
@@ -116,11 +122,10 @@ def test_policy_export_then_init_from_is_bit_identical(tiny_cfg, synth_dir, tmp_
 
 def test_policy_stage_cache_reused_when_unchanged_and_rebuilt_when_inputs_change(tmp_path, monkeypatch):
     """launch.policy_sft skips every stage when the cache key matches, runs them when it does not."""
-    import sys
-
     from absl import flags
 
     from launch import policy_sft
+    from rm_jax.data import policy as policy_lib
     data = tmp_path / "data"
     (data / "tokenizer").mkdir(parents=True)
     (data / "tokenizer" / "tokenizer.json").write_text("{}")
@@ -128,7 +133,7 @@ def test_policy_stage_cache_reused_when_unchanged_and_rebuilt_when_inputs_change
     out = tmp_path / "policy"
     calls = []
 
-    def fake_build(input_path, out_dir, cfg, tok_dir):
+    def fake_build(input_path, out_dir, cfg, tok_dir, **_):
         calls.append("build")
         return {"read": 1, "kept": 1, "rejected_by_reason": {}, "splits": {}}
 
@@ -138,7 +143,7 @@ def test_policy_stage_cache_reused_when_unchanged_and_rebuilt_when_inputs_change
             (out / "hf").mkdir(parents=True, exist_ok=True)
             (out / "hf" / "config.json").write_text("{}")
 
-    monkeypatch.setattr(policy_sft, "build_policy_shards", fake_build)
+    monkeypatch.setattr(policy_lib, "build_policy_shards", fake_build)
     monkeypatch.setattr(policy_sft, "_run", fake_run)
 
     def stage(*extra):

@@ -97,3 +97,13 @@ class PolicyRenderer(Renderer):
                          image_grid_thw=processed.grid_thw, route=route_of(sample), label=0,
                          has_image=bool(refs), n_image_tokens=int(sum(processed.tokens_per_image)),
                          flags=sample.flags)
+
+
+def build_policy_shards(input_path: str, out_dir: str, cfg, tokenizer_dir: str, *, progress: bool = False) -> dict:
+    """Policy examples of a samples JSONL as shards (rm_jax.data.build; failing responses are
+    rejections with NOT_PASSING). Returns the build stats."""
+    from rm_jax.data import build as build_lib
+    opts = build_lib.BuildOptions.from_config(cfg.data)
+    renderer = PolicyRenderer.from_config(cfg.data, tokenizer_dir, storage_dtype=opts.pixel_dtype)
+    return build_lib.build(input_path, out_dir, renderer, opts, config_dict=cfg.to_dict(),
+                           tokenizer_dir=tokenizer_dir, progress=progress).stats
