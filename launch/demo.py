@@ -146,15 +146,16 @@ def write_report(work, timings, stats, loader_info, sweep, scores, plots) -> Non
         json.dump(report, f, indent=2, default=list)
     with open(os.path.join(sweep["workdir"], "sweep.md")) as f:
         sweep_md = f.read()
-    goal_auc = chosen["auc"] is not None and chosen["auc"] >= 0.85
+    goal_auc = chosen["auc"] is not None and chosen["auc"] >= 0.90
     goal_mz = 0.05 <= chosen["middle_zone"] <= 0.40
     lines = ["# rm_jax demo report", "",
-             f"Chosen checkpoint: step {chosen['step']} — AUC {_num(chosen['auc'])} (goal >= 0.85: "
+             f"Chosen checkpoint: step {chosen['step']} — AUC {_num(chosen['auc'])} (goal >= 0.90: "
              f"{'met' if goal_auc else 'not met'}), middle zone {chosen['middle_zone']:.1%} (goal 5-40%: "
              f"{'met' if goal_mz else 'not met'}), accuracy {chosen['accuracy']:.1%} vs majority "
              f"{chosen['majority_baseline']:.1%}, fail F1 {chosen['fail_f1']:.1%}, img corr {_num(chosen['img_corr'])}.",
              f"Shortcut baseline (length/format features only) AUC: {_num(sweep['shortcut_baseline'].get('auc'))}.",
-             "", "## Wall time by stage", "", "| stage | seconds |", "|---|---|"]
+             "", *compared_with_field_report(chosen, sweep), "",
+             "## Wall time by stage", "", "| stage | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in timings.items()]
     lines += ["", "## Data", "",
               f"Build: read {stats['read']}, kept {stats['kept']}, rejected {stats['rejected']} "
@@ -165,6 +166,37 @@ def write_report(work, timings, stats, loader_info, sweep, scores, plots) -> Non
               "", sweep_md.replace("# Checkpoint sweep", "## Checkpoint sweep")]
     with open(os.path.join(work, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+# The field report's v3 judge (its §7-9): the figures this demo is read against.
+FIELD_REPORT_V3 = {"auc": 0.908, "middle_zone": 0.098, "accuracy": 0.937, "majority_baseline": 0.919,
+                   "fail_precision": 0.629, "fail_recall": 0.526, "img_corr": 0.669, "issues_pass": 0.03,
+                   "issues_fail": 1.28, "separation_auc": 0.821, "rule_pass": 0.883, "rule_fail": 0.633,
+                   "zero_span": "0 of 20 steps"}
+
+
+def compared_with_field_report(chosen: dict, sweep: dict) -> list[str]:
+    rv = sweep["reward_validation"]
+    bl, groups = rv["by_label"], rv["groups"]
+    v3 = FIELD_REPORT_V3
+    pct = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
+    rows = [("AUC", _num(v3["auc"]), _num(chosen["auc"])),
+            ("middle zone (0.2 <= P(pass) <= 0.8)", pct(v3["middle_zone"]), pct(chosen["middle_zone"])),
+            ("accuracy / majority baseline", f"{pct(v3['accuracy'])} / {pct(v3['majority_baseline'])}",
+             f"{pct(chosen['accuracy'])} / {pct(chosen['majority_baseline'])}"),
+            ("fail precision / recall", f"{pct(v3['fail_precision'])} / {pct(v3['fail_recall'])}",
+             f"{pct(chosen['fail_precision'])} / {pct(chosen['fail_recall'])}"),
+            ("img correlation", _num(v3["img_corr"]), _num(chosen["img_corr"])),
+            ("issues listed, passes / fails", f"{v3['issues_pass']:.2f} / {v3['issues_fail']:.2f}",
+             f"{_num(bl['pass']['n_issues'])} / {_num(bl['fail']['n_issues'])}"),
+            ("reward separation AUC", _num(v3["separation_auc"]), _num(rv["separation_auc_reward"])),
+            ("rule part, passes / fails", f"+{v3['rule_pass']:.3f} / +{v3['rule_fail']:.3f}",
+             f"{_num(bl['pass']['rule_score'])} / {_num(bl['fail']['rule_score'])}"),
+            ("GRPO zero-span groups", v3["zero_span"],
+             f"{groups['zero_span_groups']} of {groups['groups_with_spread_possible']} groups"),
+            ("shortcut baseline AUC", "—", _num(sweep["shortcut_baseline"].get("auc")))]
+    return ["## Compared with the field report (v3)", "", "| figure | field report v3 | this run |",
+            "|---|---|---|", *[f"| {a} | {b} | {c} |" for a, b, c in rows]]
 
 
 def _num(x) -> str:
