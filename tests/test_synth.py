@@ -342,6 +342,18 @@ def test_rule_violating_samples_get_the_gate_or_the_penalty(tmp_path):
         by_code.update(set(codes))
     assert set(by_code) == {MALFORMED_ARGUMENTS, UNKNOWN_TOOL, MISSING_REQUIRED, DUPLICATE_CALL}
     assert 0.12 < n_violating / summary["n"] < 0.28
+    # The reward report shows the rules at work: gated and penalized responses by teacher label.
+    from rm_jax.eval.reward_report import format_markdown, reward_report
+    records = []
+    for s in samples:
+        rw = compute_reward(s, p_pass=0.9, n_issues=0, img=8)
+        records.append({"id": s.id, "prompt_id": s.prompt_id, "label": s.label.l3, "reward": rw.reward,
+                        "rule_score": rw.rule_score, "p_pass": 0.9, "n_issues": 0, "gated": rw.components["gated"]})
+    report = reward_report(records)
+    n_gated = sum(r["gated"] for r in records)
+    assert report["rules"]["fail"]["gated"] == n_gated > 0 and report["rules"]["pass"]["gated"] == 0
+    assert report["rules"]["fail"]["penalized"] == n_violating - n_gated > 0
+    assert report["rules"]["gated_rewards"] == [-2.0] and "gated 0 pass" in format_markdown(report)
     kept, n_out = without_rule_violations(samples)
     assert n_out == n_violating and len(kept) == len(samples) - n_violating
     # Without the option nothing breaks a rule: the default data set is unchanged.
