@@ -25,7 +25,8 @@ Design choices
       marginal of every slot (and hence length, digits, words, punctuation) is the same in both
       classes; no word or format appears in only one class;
     - responses stay internally consistent (a wrong resolution in a delivery note comes with
-      the matching wrong pixel size), so the error is visible only by comparing the response
+      the matching wrong pixel size; image tool results state their ``count``), so the error is
+      visible only by comparing the response
       with the request, the tool results or the images: request says 2K, the call says 1K; the
       note claims 2 images, the tool result lists 1; the reference is a red circle, the prompt
       says blue circle; the generated image came out purple, "more like this one" asks for red.
