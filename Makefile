@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench install clean
+.PHONY: demo ablation test test-slow bench install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,6 +16,9 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m launch.demo --workdir=runs/demo
+
+ablation: $(STAMP)
+	$(BIN)/python -m launch.ablate --workdir=runs/ablation
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2

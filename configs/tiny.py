@@ -61,8 +61,8 @@ def data_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         dir="",                      # built shards (launch.build_data --out)
         tokenizer="",                # tokenizer dir; default: <input folder>/tokenizer
-        max_len=512,                 # text + image tokens; longer samples are rejected as too_long
-        buckets=(256, 384, 512),     # padded lengths: static shapes, few compiles
+        max_len=640,                 # text + image tokens; longer samples are rejected as too_long
+        buckets=(384, 512, 640),     # padded lengths: static shapes, few compiles
         field_order=("l3", "reason", "issues", "img"),  # verdict first; reason-first is ablation only
         oversample_fail=3,           # failures repeated x3 in the training split only
         heldout_fraction=0.15,       # by prompt_id

@@ -1,9 +1,12 @@
 """The whole pipeline on the embedded default, one command: `make demo`.
 
-  python -m launch.demo [--workdir=runs/demo] [--n=10000] [--fail_rate=0.3] [--seed=0] [--train_steps=0]
+  python -m launch.demo [--workdir=runs/demo] [--n=10000] [--fail_rate=0.3] [--seed=0] [--train_steps=500]
+      [--policy_steps=300] [--oversample_fail=0]
 
 Each stage runs through its own CLI (exactly what a user would type), timed:
-synth -> build_data -> train -> sweep -> score. Writes WORKDIR/report.json (with a `chosen`
+synth -> policy_sft (next-token SFT on the passing responses, exported with launch.convert --to_hf;
+cached by content hash under WORKDIR/policy) -> build_data -> train (the judge, initialized from the
+policy with train.init_from) -> sweep -> score. Writes WORKDIR/report.json (with a `chosen`
 object: the step and the judge_metrics keys), WORKDIR/report.md and WORKDIR/plots/ (the sweep's
 plots and the training curve). Runs from any directory.
 """
@@ -27,7 +30,11 @@ _N = flags.DEFINE_integer("n", 10000, "synthetic samples")
 _FAIL_RATE = flags.DEFINE_float("fail_rate", 0.3, "synthetic failure rate")
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
 _CONFIG = flags.DEFINE_string("config", DEFAULT_CONFIG, "config file for every stage")
-_TRAIN_STEPS = flags.DEFINE_integer("train_steps", 0, "override train.steps (0 = the config's epochs)")
+_TRAIN_STEPS = flags.DEFINE_integer("train_steps", 500, "override train.steps (0 = the config's epochs)")
+_POLICY_STEPS = flags.DEFINE_integer("policy_steps", 300, "policy SFT steps (0 = judge from random init)")
+# 0 keeps the config's x3 (the report's recipe). 1 (an unshifted stream) was measured worse here:
+# held-out AUC 0.546 at 500 steps, P(pass) stuck at the prior (WORKSPACE.md, issue 16).
+_OVERSAMPLE = flags.DEFINE_integer("oversample_fail", 0, "data.oversample_fail for the judge's stream (0 = the config's)")
 _SCORE_N = flags.DEFINE_integer("score_n", 64, "rows of the input scored by the score stage")
 _SWEEP_MAX = flags.DEFINE_integer("sweep_max_samples", 700, "held-out samples the sweep scores per checkpoint (0 = all)")
 
@@ -73,11 +80,19 @@ def main(argv):
     t0 = time.time()
     _run("synth", [f"--out={data}", f"--n={_N.value}", f"--seed={_SEED.value}", f"--fail_rate={_FAIL_RATE.value}"],
          timings)
-    _run("build_data", [f"--input={data}/samples.jsonl", f"--out={shards}", f"--config={_CONFIG.value}"], timings)
+    policy_hf = ""
+    if _POLICY_STEPS.value:
+        _run("policy_sft", [f"--input={data}/samples.jsonl", f"--out={work}/policy", f"--config={_CONFIG.value}",
+                            f"--steps={_POLICY_STEPS.value}"], timings)
+        policy_hf = os.path.join(work, "policy", "hf")
+    oversample = [f"--config.data.oversample_fail={_OVERSAMPLE.value}"] if _OVERSAMPLE.value else []
+    _run("build_data", [f"--input={data}/samples.jsonl", f"--out={shards}", f"--config={_CONFIG.value}", *oversample],
+         timings)
     with open(os.path.join(shards, "stats.json")) as f:
         stats = json.load(f)
     loader_info = _loader_check(shards, timings)
-    train_args = [f"--config={_CONFIG.value}", f"--workdir={run}", f"--config.data.dir={shards}"]
+    train_args = [f"--config={_CONFIG.value}", f"--workdir={run}", f"--config.data.dir={shards}", *oversample,
+                  f"--config.train.init_from={policy_hf}"]
     if _TRAIN_STEPS.value:
         train_args.append(f"--config.train.steps={_TRAIN_STEPS.value}")
     if os.path.isdir(run):
@@ -132,15 +147,16 @@ def write_report(work, timings, stats, loader_info, sweep, scores, plots) -> Non
         json.dump(report, f, indent=2, default=list)
     with open(os.path.join(sweep["workdir"], "sweep.md")) as f:
         sweep_md = f.read()
-    goal_auc = chosen["auc"] is not None and chosen["auc"] >= 0.85
+    goal_auc = chosen["auc"] is not None and chosen["auc"] >= 0.90
     goal_mz = 0.05 <= chosen["middle_zone"] <= 0.40
     lines = ["# rm_jax demo report", "",
-             f"Chosen checkpoint: step {chosen['step']} — AUC {_num(chosen['auc'])} (goal >= 0.85: "
+             f"Chosen checkpoint: step {chosen['step']} — AUC {_num(chosen['auc'])} (goal >= 0.90: "
              f"{'met' if goal_auc else 'not met'}), middle zone {chosen['middle_zone']:.1%} (goal 5-40%: "
              f"{'met' if goal_mz else 'not met'}), accuracy {chosen['accuracy']:.1%} vs majority "
              f"{chosen['majority_baseline']:.1%}, fail F1 {chosen['fail_f1']:.1%}, img corr {_num(chosen['img_corr'])}.",
              f"Shortcut baseline (length/format features only) AUC: {_num(sweep['shortcut_baseline'].get('auc'))}.",
-             "", "## Wall time by stage", "", "| stage | seconds |", "|---|---|"]
+             "", *compared_with_field_report(chosen, sweep), "",
+             "## Wall time by stage", "", "| stage | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in timings.items()]
     lines += ["", "## Data", "",
               f"Build: read {stats['read']}, kept {stats['kept']}, rejected {stats['rejected']} "
@@ -151,6 +167,37 @@ def write_report(work, timings, stats, loader_info, sweep, scores, plots) -> Non
               "", sweep_md.replace("# Checkpoint sweep", "## Checkpoint sweep")]
     with open(os.path.join(work, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+# The field report's v3 judge (its §7-9): the figures this demo is read against.
+FIELD_REPORT_V3 = {"auc": 0.908, "middle_zone": 0.098, "accuracy": 0.937, "majority_baseline": 0.919,
+                   "fail_precision": 0.629, "fail_recall": 0.526, "img_corr": 0.669, "issues_pass": 0.03,
+                   "issues_fail": 1.28, "separation_auc": 0.821, "rule_pass": 0.883, "rule_fail": 0.633,
+                   "zero_span": "0 of 20 steps"}
+
+
+def compared_with_field_report(chosen: dict, sweep: dict) -> list[str]:
+    rv = sweep["reward_validation"]
+    bl, groups = rv["by_label"], rv["groups"]
+    v3 = FIELD_REPORT_V3
+    pct = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
+    rows = [("AUC", _num(v3["auc"]), _num(chosen["auc"])),
+            ("middle zone (0.2 <= P(pass) <= 0.8)", pct(v3["middle_zone"]), pct(chosen["middle_zone"])),
+            ("accuracy / majority baseline", f"{pct(v3['accuracy'])} / {pct(v3['majority_baseline'])}",
+             f"{pct(chosen['accuracy'])} / {pct(chosen['majority_baseline'])}"),
+            ("fail precision / recall", f"{pct(v3['fail_precision'])} / {pct(v3['fail_recall'])}",
+             f"{pct(chosen['fail_precision'])} / {pct(chosen['fail_recall'])}"),
+            ("img correlation", _num(v3["img_corr"]), _num(chosen["img_corr"])),
+            ("issues listed, passes / fails", f"{v3['issues_pass']:.2f} / {v3['issues_fail']:.2f}",
+             f"{_num(bl['pass']['n_issues'])} / {_num(bl['fail']['n_issues'])}"),
+            ("reward separation AUC", _num(v3["separation_auc"]), _num(rv["separation_auc_reward"])),
+            ("rule part, passes / fails", f"+{v3['rule_pass']:.3f} / +{v3['rule_fail']:.3f}",
+             f"{_num(bl['pass']['rule_score'])} / {_num(bl['fail']['rule_score'])}"),
+            ("GRPO zero-span groups", v3["zero_span"],
+             f"{groups['zero_span_groups']} of {groups['groups_with_spread_possible']} groups"),
+            ("shortcut baseline AUC", "—", _num(sweep["shortcut_baseline"].get("auc")))]
+    return ["## Compared with the field report (v3)", "", "| figure | field report v3 | this run |",
+            "|---|---|---|", *[f"| {a} | {b} | {c} |" for a, b, c in rows]]
 
 
 def _num(x) -> str:

@@ -130,6 +130,10 @@ def test_img_length_mismatch():
 # ---------------------------------------------------------------- shortcut baseline
 
 
+_GENERATE_TOOL = {"type": "function", "function": {"name": "generate_image", "parameters": {
+    "type": "object", "properties": {"prompt": {"type": "string"}, "count": {"type": "integer"}}, "required": ["prompt"]}}}
+
+
 def _fabricated_samples(n, seed, leak):
     """Tool-call samples whose fail labels are random, or (leak) tied to double-encoded arguments."""
     from rm_jax.data.schema import parse_sample
@@ -140,7 +144,7 @@ def _fabricated_samples(n, seed, leak):
         args = {"prompt": "a cat " * int(rng.integers(1, 8)), "count": int(rng.integers(1, 5))}
         double = fail if leak else rng.random() < 0.3
         encoded = json.dumps(json.dumps(args)) if double else args
-        obj = {"id": f"s{i}", "messages": [{"role": "user", "content": "draw"}],
+        obj = {"id": f"s{i}", "messages": [{"role": "user", "content": "draw"}], "tools": [_GENERATE_TOOL],
                "response": {"content": "ok" if rng.random() < 0.5 else None,
                             "tool_calls": [{"id": "c", "type": "function",
                                             "function": {"name": "generate_image", "arguments": encoded}}]},

@@ -306,3 +306,58 @@ def test_image_processor(dataset):
     res = proc(images=[Image.open(os.path.join(out, "images", ref)).convert("RGB")], return_tensors="np")
     t, h, w = res["image_grid_thw"][0]
     assert t == 1 and h % 2 == 0 and w % 2 == 0
+
+
+def test_rule_violating_samples_get_the_gate_or_the_penalty(tmp_path):
+    """About rule_violation_rate of the responses break a reward rule; each is a labelled failure,
+    the reward gates the malformed call and the unknown tool at -2.0 whatever the judge says, and
+    charges the missing argument and the duplicate call; the baseline leaves them out."""
+    from rm_jax.data import schema
+    from rm_jax.eval.baseline import without_rule_violations
+    from rm_jax.score.reward import compute_reward
+    from rm_jax.score.rules import (DUPLICATE_CALL, MALFORMED_ARGUMENTS, MISSING_REQUIRED, UNKNOWN_TOOL,
+                                    RulePenalties, rule_check)
+    out = tmp_path / "d"
+    summary = synth.write_dataset(str(out), n=600, seed=3, fail_rate=0.1, with_tokenizer=False,
+                                  rule_violation_rate=0.2)
+    with open(out / "samples.jsonl", "rb") as f:
+        samples = [schema.parse_line(line, line=i + 1, base_dir=str(out)) for i, line in enumerate(f)]
+    assert all(isinstance(s, schema.Sample) for s in samples)       # the parser keeps them all
+    by_code = collections.Counter()
+    n_violating = 0
+    for s in samples:
+        codes = rule_check(s).codes
+        if not codes:
+            continue
+        n_violating += 1
+        assert s.label.l3 == "fail" and len(s.label.issues) == 1, s.id
+        best = compute_reward(s, p_pass=1.0, n_issues=0, img=10)   # a judge fooled completely
+        if set(codes) & {MALFORMED_ARGUMENTS, UNKNOWN_TOOL}:
+            assert best.reward == -2.0 and best.components["gated"]
+        else:
+            free = compute_reward(s, p_pass=1.0, n_issues=0, img=10,
+                                  penalties=RulePenalties(missing_required=0.0, duplicate_call=0.0))
+            assert best.rule_score == -1.0 * len(codes) and not best.components["gated"]
+            assert best.reward == pytest.approx(free.reward - len(codes))
+        by_code.update(set(codes))
+    assert set(by_code) == {MALFORMED_ARGUMENTS, UNKNOWN_TOOL, MISSING_REQUIRED, DUPLICATE_CALL}
+    assert 0.12 < n_violating / summary["n"] < 0.28
+    # The reward report shows the rules at work: gated and penalized responses by teacher label.
+    from rm_jax.eval.reward_report import format_markdown, reward_report
+    records = []
+    for s in samples:
+        rw = compute_reward(s, p_pass=0.9, n_issues=0, img=8)
+        records.append({"id": s.id, "prompt_id": s.prompt_id, "label": s.label.l3, "reward": rw.reward,
+                        "rule_score": rw.rule_score, "p_pass": 0.9, "n_issues": 0, "gated": rw.components["gated"]})
+    report = reward_report(records)
+    n_gated = sum(r["gated"] for r in records)
+    assert report["rules"]["fail"]["gated"] == n_gated > 0 and report["rules"]["pass"]["gated"] == 0
+    assert report["rules"]["fail"]["penalized"] == n_violating - n_gated > 0
+    assert report["rules"]["gated_rewards"] == [-2.0] and "gated 0 pass" in format_markdown(report)
+    kept, n_out = without_rule_violations(samples)
+    assert n_out == n_violating and len(kept) == len(samples) - n_violating
+    # Without the option nothing breaks a rule: the default data set is unchanged.
+    synth.write_dataset(str(tmp_path / "e"), n=300, seed=3, fail_rate=0.1, with_tokenizer=False)
+    with open(tmp_path / "e" / "samples.jsonl", "rb") as f:
+        plain = [schema.parse_line(line, line=i + 1, base_dir=str(tmp_path / "e")) for i, line in enumerate(f)]
+    assert not any(rule_check(s).codes for s in plain)

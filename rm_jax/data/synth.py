@@ -25,7 +25,8 @@ Design choices
       marginal of every slot (and hence length, digits, words, punctuation) is the same in both
       classes; no word or format appears in only one class;
     - responses stay internally consistent (a wrong resolution in a delivery note comes with
-      the matching wrong pixel size), so the error is visible only by comparing the response
+      the matching wrong pixel size; image tool results state their ``count``), so the error is
+      visible only by comparing the response
       with the request, the tool results or the images: request says 2K, the call says 1K; the
       note claims 2 images, the tool result lists 1; the reference is a red circle, the prompt
       says blue circle; the generated image came out purple, "more like this one" asks for red.
@@ -163,6 +164,7 @@ class SynthConfig:
     seed: int = 0
     fail_rate: float = 0.08
     responses_per_prompt: int = 3
+    rule_violation_rate: float = 0.0   # share of all responses given a rule violation (RULE_VIOLATIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,7 +423,7 @@ def _build_followup(rng: np.random.Generator, k: int, images: ImageWriter) -> Pr
     messages = [_system(rng),
                 {"role": "user", "content": f"Make a {spec.colour} {spec.shape}, {spec.resolution}, aspect ratio {spec.aspect}."},
                 {"role": "assistant", "content": _pick(rng, ("Generating it now.", "On it."))},
-                _tool_message(rng, "generate_image", {"status": "ok", "images": [
+                _tool_message(rng, "generate_image", {"status": "ok", "count": 1, "images": [
                     {"image": gen.path, "width": w, "height": h}]})]
     if rng.random() < 0.5:
         messages.append({"role": "assistant", "content": "Here is the result."})
@@ -538,7 +540,7 @@ def _build_delivery(rng: np.random.Generator, k: int, images: ImageWriter) -> Pr
                 {"role": "user", "content": f"Please make {_plural(spec.count)} of a {spec.colour} {spec.shape}, "
                                             f"{spec.resolution}, aspect ratio {spec.aspect}."},
                 {"role": "assistant", "content": _pick(rng, ("Working on it.", "Generating now."))},
-                _tool_message(rng, "generate_image", {"status": "ok", "images": [
+                _tool_message(rng, "generate_image", {"status": "ok", "count": k_real, "images": [
                     {"image": g.path, "width": w, "height": h} for g in gens]})]
     tools = _tool_subset(rng, ["generate_image"], n_total=1)
     own_file = f"gen_{k}_0.png"
@@ -678,10 +680,10 @@ def _build_correction(rng: np.random.Generator, k: int, images: ImageWriter) -> 
     if rng.random() < 0.5:
         g = images.generated(rng, f"gen_{k}_0", done.colour, done.shape, done.aspect)
         drawn.append(g)
-        messages.append(_tool_message(rng, "generate_image", {"status": "ok", "images": [
+        messages.append(_tool_message(rng, "generate_image", {"status": "ok", "count": 1, "images": [
             {"image": g.path, "width": w, "height": h}]}))
     else:
-        messages.append(_tool_message(rng, "generate_image", {"status": "ok", "width": w, "height": h}))
+        messages.append(_tool_message(rng, "generate_image", {"status": "ok", "count": 1, "width": w, "height": h}))
     messages.append({"role": "assistant",
                      "content": f"Here is a {done.colour} {done.shape} at {done.resolution}, {done.aspect}."})
     messages.append({"role": "user", "content": _pick(rng, (
@@ -756,8 +758,61 @@ def generate(cfg: SynthConfig, out_dir: str) -> list[dict]:
                 sample["reference_reply"] = online_reply(ref_rng, judged.response["content"],
                                                          prompt.reference_reply, fail)
             sample["label"] = _label(rrng, judged.verdict, has_image)
+            if judged.response["tool_calls"] and cfg.rule_violation_rate > 0:
+                # Its own generator, like the reference reply: no other draw shifts.
+                vrng = np.random.default_rng((cfg.seed, k, 3, j))
+                if vrng.random() < min(1.0, cfg.rule_violation_rate / TOOL_CALL_SHARE):
+                    sample = violate_rules(vrng, sample, has_image)
             samples.append(_articles(sample))
     return samples
+
+
+TOOL_CALL_SHARE = KIND_WEIGHTS[0] + KIND_WEIGHTS[1]   # generate + followup: the responses that call tools
+# What the reward's rules catch (rm_jax.score.rules), each with the teacher issue it is labelled as.
+RULE_VIOLATIONS = {"malformed_call": "wrong_param", "unknown_tool": "wrong_tool",
+                   "missing_required": "missing_param", "duplicate_call": "extra_call"}
+
+
+def _plain_args(call: dict) -> dict:
+    args = call["function"]["arguments"]
+    while isinstance(args, str):
+        args = json.loads(args)
+    return args
+
+
+def violate_rules(rng: np.random.Generator, sample: dict, has_image: bool) -> dict:
+    """A tool-calling response turned into one the reward's rules reject: an unclosed argument
+    object (gated), a tool the prompt does not offer (gated), a required argument left out or an
+    exact duplicate call (penalties). Always a failure: the label says which and why."""
+    kind = _pick(rng, tuple(RULE_VIOLATIONS))
+    calls = [json.loads(json.dumps(c)) for c in sample["response"]["tool_calls"]]
+    i = int(rng.integers(len(calls)))
+    fn = calls[i]["function"]
+    offered = {t["function"]["name"] for t in sample["tools"]}
+    if kind == "malformed_call":
+        fn["arguments"] = json.dumps(_plain_args(calls[i]), ensure_ascii=False)[:-1]   # unclosed object
+        reason = f"the {fn['name']} call's arguments are not a closed JSON object"
+    elif kind == "unknown_tool":
+        old = fn["name"]
+        fn["name"] = _pick(rng, sorted(set(TOOLS) - offered))
+        reason = f"calls {fn['name']}, which this conversation does not offer, instead of {old}"
+    elif kind == "missing_required":
+        args = _plain_args(calls[i])
+        required = [a for a in TOOLS[fn["name"]]["function"]["parameters"]["required"] if a in args]
+        gone = _pick(rng, required)
+        del args[gone]
+        fn["arguments"] = args
+        reason = f"the {fn['name']} call leaves out the required argument {gone}"
+    else:
+        dup = json.loads(json.dumps(calls[i]))
+        dup["id"] = f"{calls[i]['id']}_dup"
+        calls.insert(i + 1, dup)
+        reason = f"calls {fn['name']} twice with the same arguments"
+    out = dict(sample)
+    out["response"] = {"content": sample["response"]["content"], "tool_calls": calls}
+    out["label"] = {"l3": "fail", "reason": reason, "issues": [RULE_VIOLATIONS[kind]],
+                    "img": sample["label"]["img"] if has_image else None}
+    return out
 
 
 # Words an online reply adds or swaps in: wording noise that carries no content.
@@ -838,10 +893,10 @@ def corpus_texts(samples: list[dict]) -> list[str]:
 
 
 def write_dataset(out_dir: str, n: int, seed: int = 0, fail_rate: float = 0.08,
-                  with_tokenizer: bool = True, vocab_size: int = 4096) -> dict:
+                  with_tokenizer: bool = True, vocab_size: int = 4096, rule_violation_rate: float = 0.0) -> dict:
     """samples.jsonl + images/ + tokenizer/ under out_dir; returns a small summary."""
     os.makedirs(out_dir, exist_ok=True)
-    cfg = SynthConfig(n=n, seed=seed, fail_rate=fail_rate)
+    cfg = SynthConfig(n=n, seed=seed, fail_rate=fail_rate, rule_violation_rate=rule_violation_rate)
     samples = generate(cfg, out_dir)
     with open(os.path.join(out_dir, "samples.jsonl"), "w", encoding="utf-8") as f:
         for s in samples:

@@ -42,10 +42,12 @@ TOOLS_HEADER = "# Tools\n\nFunction signatures within <tools></tools>:\n<tools>"
 TOOLS_FOOTER = ("\n</tools>\n\nCall a function as <tool_call>\n{\"name\": <function-name>, "
                 "\"arguments\": <args-json-object>}\n</tool_call>")
 
-# GPT-2's split, except that a run of punctuation may contain single spaces: JSON glue such as
+# GPT-2's split, except that (1) a run of punctuation may contain single spaces: JSON glue such as
 # `", "`, `": "` or `"}, {"` becomes one piece (JSON is most of the judge input), while letters
-# and digits stay separate pieces, so `pass`/`fail` and values like `2K` are never glued to quotes.
-PRETOKENIZE_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+(?: [^\s\p{L}\p{N}]+)*"
+# and digits stay separate pieces, so `pass`/`fail` and values like `2K` are never glued to quotes;
+# (2) letters and digits never take the space before them: a value is the same token in a request
+# (` red`, ` 2K`) and in a call's JSON (`"red"`, `"2K"`), so comparing them is token identity.
+PRETOKENIZE_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d|\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+(?: [^\s\p{L}\p{N}]+)*"
                      r"|\s+(?!\S)|\s+")
 
 # Jinja: modelled on Qwen3-VL's template (same structure and markers), minus video and thinking.

@@ -64,13 +64,26 @@ def _matrix(samples: Sequence, split: str) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+def without_rule_violations(samples: Sequence) -> tuple[list, int]:
+    """The samples whose response breaks no reward rule, and how many were set aside. A malformed
+    or duplicate call is a form the rules catch without a judge, so it is no shortcut the judge
+    could learn instead of the task; the baseline asks about the rest."""
+    from rm_jax.score.rules import rule_check
+    kept = [s for s in samples if not rule_check(s).violations]
+    return kept, len(samples) - len(kept)
+
+
 def shortcut_baseline(train_samples: Sequence, heldout_samples: Sequence, *, seed: int = 0) -> dict:
-    """Fit on train, ROC-AUC (fail positive) on held-out. NaN AUC when a split has one class."""
+    """Fit on train, ROC-AUC (fail positive) on held-out, over the samples without rule
+    violations. NaN AUC when a split has one class."""
+    train_samples, n_rule_train = without_rule_violations(train_samples)
+    heldout_samples, n_rule_held = without_rule_violations(heldout_samples)
     x_train, y_train = _matrix(train_samples, "train")
     x_held, y_held = _matrix(heldout_samples, "heldout")
     result = {"auc": math.nan, "n_train": int(len(y_train)), "n_heldout": int(len(y_held)),
               "n_fail_train": int(y_train.sum()), "n_fail_heldout": int(y_held.sum()),
-              "features": list(FEATURES), "coefficients": None, "feature_auc": None}
+              "features": list(FEATURES), "coefficients": None, "feature_auc": None,
+              "excluded_rule_violations": {"train": n_rule_train, "heldout": n_rule_held}}
     if len(np.unique(y_train)) < 2 or len(y_held) == 0:
         result["note"] = "not fitted: train split has one class or held-out split is empty"
         return result

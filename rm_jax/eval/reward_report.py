@@ -115,6 +115,7 @@ def reward_report(records: Sequence[Mapping[str, Any]]) -> dict:
         "separation_auc_rule": safe_auc(cols["y_fail"], -cols["rule_score"]),
         "distinct_rewards": int(np.unique(np.round(cols["reward"], DISTINCT_DECIMALS)).size),
         "groups": group_diagnostics([r["prompt_id"] for r in records], cols["reward"]),
+        "rules": _rule_counts(records, cols),
     }
     slice_names = sorted({str(r["slice"]) for r in records if r.get("slice") is not None})
     if slice_names:
@@ -129,8 +130,29 @@ def reward_report(records: Sequence[Mapping[str, Any]]) -> dict:
 # ---------------------------------------------------------------- markdown
 
 
+def _rule_counts(records: Sequence[Mapping[str, Any]], cols: Mapping[str, np.ndarray]) -> dict:
+    """How often the rules acted, by teacher label: gated (the whole reward is the gate value) or
+    penalized (a negative rule part added to the judge terms)."""
+    gated = np.array([bool(r.get("gated", False)) for r in records])
+    penalized = ~gated & (cols["rule_score"] < 0)
+    out = {}
+    for name, value in (("pass", 0), ("fail", 1)):
+        m = cols["y_fail"] == value
+        out[name] = {"gated": int((gated & m).sum()), "penalized": int((penalized & m).sum())}
+    out["gated_rewards"] = sorted({float(x) for x in cols["reward"][gated]})
+    return out
+
+
 def _f(x: Any, fmt: str = "{:+.3f}") -> str:
     return "—" if x is None else fmt.format(x)
+
+
+def _rule_lines(rules: Mapping[str, Any] | None) -> list[str]:
+    if not rules:
+        return []
+    p, f = rules["pass"], rules["fail"]
+    return [f"- rules: gated {p['gated']} pass / {f['gated']} fail (reward {rules['gated_rewards'] or '—'}), "
+            f"penalized {p['penalized']} pass / {f['penalized']} fail"]
 
 
 def format_markdown(report: Mapping[str, Any]) -> str:
@@ -145,6 +167,7 @@ def format_markdown(report: Mapping[str, Any]) -> str:
               f"- separation AUC, total reward: {_f(report['separation_auc_reward'], '{:.3f}')}",
               f"- separation AUC, rule part alone: {_f(report['separation_auc_rule'], '{:.3f}')}",
               f"- distinct reward values: {report['distinct_rewards']} of {report['n']}",
+              *_rule_lines(report.get("rules")),
               f"- reward mean {_f(report['mean_reward'])} (range {_f(report['min_reward'])} "
               f"to {_f(report['max_reward'])})"]
     for name, s in (report.get("slices") or {}).items():

@@ -112,7 +112,8 @@ def reward_records(samples: Sequence[Sample], results: Sequence,
         issues = list(getattr(r, "issues", ()))   # undecoded (--nodecode): P(pass) and rules only
         rw = compute_reward(s, r.p_pass, issues, getattr(r, "img", None), *reward)
         out.append({"id": s.id, "prompt_id": s.prompt_id, "label": s.label.l3, "reward": rw.reward,
-                    "rule_score": rw.rule_score, "p_pass": r.p_pass, "n_issues": len(issues)})
+                    "rule_score": rw.rule_score, "p_pass": r.p_pass, "n_issues": len(issues),
+                    "gated": bool(rw.components["gated"])})
     return out
 
 
