@@ -187,3 +187,48 @@ def step_groups(split: PairSplit, shape: BatchShape, accumulation: int, seed: in
     micros = pack(split, order, shape)
     n = len(micros) // accumulation
     return [micros[i * accumulation:(i + 1) * accumulation] for i in range(n)]
+
+
+def split_from_rendered(rendered: list) -> PairSplit:
+    """Candidates rendered on the fly (benchmarks, scoring files) as a pair-less split."""
+    lens = lambda xs: np.cumsum([0] + [len(x) for x in xs]).astype(np.int64)
+    toks = [np.concatenate([c.prompt_ids, c.response_ids]) for c in rendered]
+    pix = [c.pixel_values for c in rendered]
+    pdim = next((p.shape[1] for p in pix if p.size), 1)
+    z = np.zeros(0, np.int32)
+    return PairSplit(tokens=np.concatenate(toks).astype(np.int32) if toks else z, offsets=lens(toks),
+                     prompt_len=np.asarray([len(c.prompt_ids) for c in rendered], np.int32),
+                     response_len=np.asarray([len(c.response_ids) for c in rendered], np.int32),
+                     pixels=np.concatenate([p.reshape(-1, pdim) for p in pix]) if pix else np.zeros((0, pdim)),
+                     pix_offsets=lens(pix),
+                     grids=np.concatenate([c.image_grid_thw for c in rendered]) if rendered else np.zeros((0, 3), np.int32),
+                     grid_offsets=lens([c.image_grid_thw for c in rendered]),
+                     group=np.arange(len(rendered), dtype=np.int32), utility=np.full(len(rendered), np.nan),
+                     pair_a=z, pair_b=z, pair_p=z.astype(np.float32), pair_w=z.astype(np.float32),
+                     pair_m=z.astype(np.float32), pair_group=z, groups=[{} for _ in rendered])
+
+
+def score_candidates(builder, params, split: PairSplit, shape: BatchShape, mcfg, pad_id: int) -> np.ndarray:
+    """Reward of every candidate of a split, [C] (rows packed in order, one microbatch at a time)."""
+    out = np.full(split.n_candidates, np.nan, np.float64)
+    idx = np.arange(split.n_candidates)
+    for start in range(0, len(idx), shape.rows):
+        rows = idx[start:start + shape.rows]
+        # Images are packed per microbatch; split further when a chunk is over the image budget.
+        chunks = [rows]
+        while True:
+            bad = [c for c in chunks if _patches(split, c) > shape.max_patches and len(c) > 1]
+            if not bad:
+                break
+            c = bad[0]
+            k = chunks.index(c)
+            chunks[k:k + 1] = [c[:len(c) // 2], c[len(c) // 2:]]
+        for c in chunks:
+            m = micro_arrays(split, Micro(c, np.zeros(0, np.int64)), shape, mcfg, pad_id)
+            batch = assemble([m], True)
+            out[c] = builder.score(params, batch)[0, :len(c)]
+    return out
+
+
+def _patches(split: PairSplit, rows) -> int:
+    return int(sum(split.pix_offsets[c + 1] - split.pix_offsets[c] for c in rows))
