@@ -67,28 +67,35 @@ class RMRenderer:
     def render(self, sample: Sample) -> RenderedCandidate:
         chat, refs = self.chat(sample)
         tools = [self.r.guard.json(t) for t in sample.tools] or None
-        prompt_text = self.tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True,
-                                                         tokenize=False)
         resp = _Parts(self.r.guard)
         response_parts(resp, sample)
         reply = "".join(p["text"] for p in resp.parts)
-        full_text = self.tokenizer.apply_chat_template(chat + [{"role": "assistant", "content": reply}],
-                                                       tools=tools, tokenize=False)
-        if not full_text.startswith(prompt_text):
-            raise SampleError("template_mismatch", "response",
-                              "the chat template's text with the response does not start with its prompt text")
+        prompt_ids, response_ids, has_eos = split_turn(self.tokenizer, chat, reply, self.eos_id, tools=tools)
         pil = [images_lib.load_image(r.source, r.field) for r in refs]
         processed = self.r.image_pre(pil)
-        prompt_ids = self.r._expand_images(target_lib.encode_piece(self.tokenizer, prompt_text),
-                                           processed.tokens_per_image)
-        turn_ids = target_lib.encode_piece(self.tokenizer, full_text[len(prompt_text):])
-        # The turn ends at its end-of-turn token; what the template writes after it ("\n") is not
-        # part of the candidate. A reply text cannot hold a real eos (the guard breaks it).
-        ends = [i for i, t in enumerate(turn_ids) if t == self.eos_id]
-        has_eos = bool(ends)
-        response_ids = turn_ids[:ends[-1] + 1] if has_eos else turn_ids
+        prompt_ids = self.r._expand_images(prompt_ids, processed.tokens_per_image)
         return RenderedCandidate(id=sample.id, prompt_ids=np.asarray(prompt_ids, np.int32),
                                  response_ids=np.asarray(response_ids, np.int32),
                                  pixel_values=processed.pixel_values,
                                  image_grid_thw=np.asarray(processed.grid_thw, np.int32).reshape(-1, 3),
                                  has_eos=has_eos)
+
+
+def split_turn(tokenizer, chat: list[dict], reply: str, eos_id: int, *, tools=None
+               ) -> tuple[list[int], list[int], bool]:
+    """(prompt ids, target-turn ids up to and including its end-of-turn token, has_eos) for
+    ``chat`` (any number of earlier turns, assistant turns included) + the assistant ``reply``.
+    Prompt and turn are tokenized as separate pieces, so every reply to one chat shares the
+    prompt ids exactly. What the template writes after the end-of-turn token is not part of the
+    candidate."""
+    prompt_text = tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
+    full_text = tokenizer.apply_chat_template(chat + [{"role": "assistant", "content": reply}], tools=tools,
+                                              tokenize=False)
+    if not full_text.startswith(prompt_text):
+        raise SampleError("template_mismatch", "response",
+                          "the chat template's text with the response does not start with its prompt text")
+    turn_ids = target_lib.encode_piece(tokenizer, full_text[len(prompt_text):])
+    ends = [i for i, t in enumerate(turn_ids) if t == eos_id]
+    if not ends:
+        return target_lib.encode_piece(tokenizer, prompt_text), turn_ids, False
+    return target_lib.encode_piece(tokenizer, prompt_text), turn_ids[:ends[-1] + 1], True
