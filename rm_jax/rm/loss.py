@@ -33,6 +33,7 @@ class PairLossConfig:
 def effective_weights(weight_p: np.ndarray, group_p: np.ndarray, valid_p: np.ndarray,
                       group_normalize: bool) -> np.ndarray:
     """Host-side per-pair weights over a whole step; they sum to 1 over valid pairs."""
+    valid_p = np.asarray(valid_p, bool)
     w = np.where(valid_p, weight_p, 0.0).astype(np.float64)
     if w.sum() <= 0:
         return np.zeros_like(w, np.float32)
