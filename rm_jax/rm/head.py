@@ -54,10 +54,15 @@ class RewardModel(nnx.Module):
 
     def rewards(self, inputs, response_mask_bt: jax.Array) -> jax.Array:
         """[B] fp32 reward of each row."""
-        h_btd = self.backbone.forward_arrays(inputs, logits=False).final_hidden_btd
+        return self.rewards_and_aux(inputs, response_mask_bt)[0]
+
+    def rewards_and_aux(self, inputs, response_mask_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """([B] rewards, the MoE load-balancing loss averaged over sparse layers; 0 without MoE)."""
+        out = self.backbone.forward_arrays(inputs, logits=False)
         pos_b = reward_positions(response_mask_bt)
-        h_bd = jnp.take_along_axis(h_btd, pos_b[:, None, None], axis=1)[:, 0]
-        return self.head(h_bd)
+        h_bd = jnp.take_along_axis(out.final_hidden_btd, pos_b[:, None, None], axis=1)[:, 0]
+        lb = jnp.zeros((), jnp.float32) if out.moe_aux is None else jnp.mean(out.moe_aux.lb_loss)
+        return self.head(h_bd), lb
 
 
 def init_reward_model(model_cfg, seed: int = 0, backbone: nnx.Module | None = None) -> RewardModel:

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rm_jax.rm.data import RMBatch
-from rm_jax.rm.head import RewardModel, reward_positions
+from rm_jax.rm.head import RewardModel
 from rm_jax.rm.loss import PairLossConfig, weighted_pair_loss
 from rm_jax.sharding import logical_to_spec
 from rm_jax.train.step import place
@@ -62,14 +62,6 @@ def place_model(model: nnx.Module, mesh) -> None:
     nnx.update(model, placed)
 
 
-def rewards_and_aux(model: RewardModel, inputs, response_mask_bt):
-    out = model.backbone.forward_arrays(inputs, logits=False)
-    pos_b = reward_positions(response_mask_bt)
-    h_bd = jnp.take_along_axis(out.final_hidden_btd, pos_b[:, None, None], axis=1)[:, 0]
-    lb = jnp.zeros((), jnp.float32) if out.moe_aux is None else jnp.mean(out.moe_aux.lb_loss)
-    return model.head(h_bd), lb
-
-
 class RMStepBuilder:
     def __init__(self, model: RewardModel, optimizer: optax.GradientTransformation, cfg: RMStepConfig, mesh):
         self.graphdef, self._params, self.rest = nnx.split(model, nnx.Param, ...)
@@ -80,7 +72,9 @@ class RMStepBuilder:
     def init_state(self) -> RMState:
         from rm_jax.train.step import StepBuilder
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        opt_sh = StepBuilder.opt_state_shardings(self, self._params)   # same rule: mu/nu follow their param
+        # The judge step's rule (mu/nu take their parameter's sharding), called on this builder:
+        # it reads only `mesh` and `optimizer`, which both builders have.
+        opt_sh = StepBuilder.opt_state_shardings(self, self._params)
         with jax.set_mesh(self.mesh):
             opt_state = jax.jit(self.optimizer.init, out_shardings=opt_sh)(self._params)
             step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
@@ -90,7 +84,7 @@ class RMStepBuilder:
 
     def _micro(self, params, rest, mb, n_micro):
         model = nnx.merge(self.graphdef, params, rest)
-        r_c, lb = rewards_and_aux(model, mb.inputs, mb.response_mask)
+        r_c, lb = model.rewards_and_aux(mb.inputs, mb.response_mask)
         r_a, r_b = jnp.take(r_c, mb.pair_a), jnp.take(r_c, mb.pair_b)
         obj, sums = weighted_pair_loss(r_a, r_b, mb.pair_p, mb.pair_m, mb.pair_w, self.cfg.loss)
         sums["lb_loss"] = lb / n_micro
@@ -122,7 +116,7 @@ class RMStepBuilder:
 
     def _score_step(self, params, rest, inputs, response_mask_bt):
         model = nnx.merge(self.graphdef, params, rest)
-        return rewards_and_aux(model, inputs, response_mask_bt)[0]
+        return model.rewards(inputs, response_mask_bt)
 
     # -- jitted entry points ------------------------------------------------------------------
 
