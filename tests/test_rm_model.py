@@ -71,14 +71,13 @@ def test_reward_position_padding_and_pad_eq_eos(rm):
     """Each sequence alone == the same sequence right padded, left padded, padded with eos."""
     rng = np.random.default_rng(0)
     seqs = []
-    for n_prompt, n_resp in ((9, 5), (14, 3), (6, 8)):
+    for n_prompt, n_resp in ((9, 5), (11, 3), (6, 8)):    # one unpadded length (14): one compile
         ids = rng.integers(20, VOCAB, n_prompt + n_resp).astype(np.int32)
         ids[-1] = EOS                       # the end-of-turn token closes the turn
         ids[n_prompt - 3] = EOS             # an earlier turn's end (multi-turn): never the reward position
         seqs.append((ids, n_prompt))
-    alone = [float(_rewards(rm, ids[None], np.ones((1, len(ids)), np.int32),
-                            (np.arange(len(ids)) >= npr)[None].astype(np.int32), jit=False)[0])
-             for ids, npr in seqs]
+    alone = _rewards(rm, np.stack([ids for ids, _ in seqs]), np.ones((3, 14), np.int32),
+                     np.stack([(np.arange(14) >= npr).astype(np.int32) for _, npr in seqs]))
     t = 24
     for side in ("right", "left"):
         for pad_id in (0, EOS):
