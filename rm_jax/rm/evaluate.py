@@ -121,12 +121,13 @@ def format_report(report: dict) -> str:
     rows = [(n, m) for n, m in report["members"].items()]
     if "ensemble" in report:
         rows += [(f"ensemble {k}", report["ensemble"][k]) for k in ("mean", "min")]
-    lines += ["| model | pairwise acc (macro by slice) | Kendall tau-b | Spearman | T | NLL before | NLL after | "
-              "Brier before | Brier after | ECE before | ECE after |", "|" + " --- |" * 11]
+    lines += ["| model | pairwise acc (macro by slice) | pairwise acc (all pairs) | Kendall tau-b | Spearman | T | "
+              "NLL before | NLL after | Brier before | Brier after | ECE before | ECE after |", "|" + " --- |" * 12]
     for name, m in rows:
         h = m["heldout"]
         cb, ca = h["calibration_before"], h["calibration_after"]
-        lines.append(f"| {name} | {_f(h['pairwise']['macro'])} | {_f(h['ranking']['kendall_tau_b'])} | "
+        lines.append(f"| {name} | {_f(h['pairwise']['macro'])} | {_f(h['pairwise']['micro'])} | "
+                     f"{_f(h['ranking']['kendall_tau_b'])} | "
                      f"{_f(h['ranking']['spearman'])} | {_f(m['temperature'])} | {_f(cb['nll'])} | {_f(ca['nll'])} | "
                      f"{_f(cb['brier'])} | {_f(ca['brier'])} | {_f(cb['ece'])} | {_f(ca['ece'])} |")
     first = rows[-2][1] if "ensemble" in report else rows[0][1]
