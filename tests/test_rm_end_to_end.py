@@ -36,6 +36,12 @@ def test_rm_demo_and_ensemble(tmp_path):
     rows = [json.loads(x) for x in open(w2 / "metrics.jsonl")]
     assert rows[-1]["step"] == 6
     out = tmp_path / "ens"
-    _run("launch.rm_eval", f"--workdir={wd / 'run'},{w2}", f"--out={out}")
+    bench = tmp_path / "rb.jsonl"
+    with open(bench, "w") as f:     # a text-only benchmark file, one row unreadable
+        f.write(json.dumps({"id": "1", "prompt": "draw a red star", "chosen": "Done: a red star.",
+                            "rejected": "Here is a blue circle.", "subset": "chat"}) + "\n{bad\n")
+    _run("launch.rm_eval", f"--workdir={wd / 'run'},{w2}", f"--out={out}", f"--benchmark=rewardbench:{bench}")
     ens = json.load(open(out / "rm_eval.json"))
     assert set(ens["ensemble"]) == {"mean", "min", "std"} and len(ens["members"]) == 2
+    rb = ens["benchmarks"]["rewardbench"]
+    assert rb["n"] == 1 and rb["parse_failures"] == 1 and rb["accuracy"] in (0.0, 1.0)

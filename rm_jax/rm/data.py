@@ -136,7 +136,9 @@ def micro_arrays(split: PairSplit, micro: Micro, shape: BatchShape, mcfg, pad_id
         pix.append(split.pixels[split.pix_offsets[c]:split.pix_offsets[c + 1]])
         grid.append(split.grids[split.grid_offsets[c]:split.grid_offsets[c + 1]])
         row_of[int(c)] = r
-    pdim = split.pixels.shape[1]
+    v = mcfg.vision
+    pdim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2   # the vision tower's patch width
+    pix = [x.reshape(-1, pdim) for x in pix]                            # (a text-only split stores width 1)
     pix_cat = np.concatenate(pix) if pix else np.zeros((0, pdim), np.float32)
     grid_cat = np.concatenate(grid) if grid else np.zeros((0, 3), np.int32)
     if len(pix_cat) > shape.max_patches or len(grid_cat) > shape.max_images:
