@@ -15,7 +15,7 @@ def get_config() -> ml_collections.ConfigDict:
     cfg.data.calibration_fraction = 0.15   # by prompt_id, apart from held-out: the temperature is fitted there
     cfg.data.heldout_fraction = 0.15
     cfg.train.init_from = ""               # HF checkpoint dir of the backbone; "" = random init
-    cfg.train.lr = 1e-3
+    cfg.train.lr = 3e-3                   # as the judge: a random-init tiny backbone needs a high rate
     cfg.train.warmup_steps = 20
     cfg.rm = ml_collections.ConfigDict(dict(
         steps=240,
