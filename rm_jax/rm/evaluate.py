@@ -78,7 +78,9 @@ def evaluate(members: list[tuple[str, dict]], data_dir: str, out_dir: str) -> di
     for name, rewards in members:
         t = fitted_t(rewards["calibration"])
         rep = split_report(splits["heldout"], rewards["heldout"], t)
-        curves.update({f"{name} {k}": v for k, v in rep.pop("_curves").items()} if len(members) == 1 else {})
+        member_curves = rep.pop("_curves")
+        if len(members) == 1:
+            curves.update({f"{name} {k}": v for k, v in member_curves.items()})
         report["members"][name] = {"temperature": t, "heldout": rep}
     if len(members) > 1:
         aligned = {s: np.stack([anchor_align(rw["calibration"], rw[s]) for _, rw in members]) for s in EVAL_SPLITS}
