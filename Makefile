@@ -33,3 +33,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf runs .pytest_cache
+
+.PHONY: rm-demo
+rm-demo: $(STAMP)
+	$(BIN)/python -m launch.rm_demo --workdir=runs/rm_demo

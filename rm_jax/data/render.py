@@ -166,7 +166,9 @@ def _tool_result(out: _Parts, msg: Message, base_dir: str, index: int) -> None:
                 out.text(seg)
 
 
-def build_transcript(sample: Sample, guard=_no_guard) -> _Parts:
+def build_transcript(sample: Sample, guard=_no_guard, *, with_response: bool = True) -> _Parts:
+    """The judge's transcript; ``with_response=False`` stops after the conversation (the scalar
+    RM's prompt: the candidate response then goes in its own assistant turn, rm_jax.rm.render)."""
     out = _Parts(guard)
     g = guard
     known_calls = {c.id: c for m in sample.messages for c in m.tool_calls if c.id}
@@ -185,13 +187,20 @@ def build_transcript(sample: Sample, guard=_no_guard) -> _Parts:
             for call in msg.tool_calls:
                 out.markup(("\n" if msg.parts else "") + _call_text(call, g))
         out.markup("\n")
+    if not with_response:
+        return out
     out.markup("## Response to judge\n[assistant]\n")
+    response_parts(out, sample)
+    return out
+
+
+def response_parts(out: _Parts, sample: Sample) -> None:
+    """The judged response as the policy produced it: its text, then each tool call's markup."""
     resp = sample.response
     if resp.content:
         out.text(resp.content)
     for j, call in enumerate(resp.tool_calls):
-        out.markup(("\n" if resp.content or j else "") + _call_text(call, g))
-    return out
+        out.markup(("\n" if resp.content or j else "") + _call_text(call, out.guard))
 
 
 def route_of(sample: Sample) -> str:

@@ -1,0 +1,236 @@
+"""Built pair splits -> static-shaped microbatches for the RM step.
+
+A microbatch holds whole prompt groups: up to ``rows`` candidate sequences (each candidate once,
+however many pairs it is in) and up to ``pairs`` pairs indexing those rows, so chosen and rejected
+go through one forward and a prompt's pairs never straddle microbatches (or hosts). Shapes are
+fixed per run (rows, pairs, length, image budget), so the step compiles once. Padding rows have an
+all-zero mask; padding pairs weight 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import flax.struct
+import jax
+import numpy as np
+
+from rm_jax.model import JudgeInputs, prepare_inputs
+
+
+@dataclasses.dataclass
+class PairSplit:
+    """One split as built (rm_jax.rm.build)."""
+    tokens: np.ndarray
+    offsets: np.ndarray
+    prompt_len: np.ndarray
+    response_len: np.ndarray
+    pixels: np.ndarray
+    pix_offsets: np.ndarray
+    grids: np.ndarray
+    grid_offsets: np.ndarray
+    group: np.ndarray          # [C] group index of each candidate
+    utility: np.ndarray        # [C] (nan when not given)
+    pair_a: np.ndarray
+    pair_b: np.ndarray
+    pair_p: np.ndarray
+    pair_w: np.ndarray
+    pair_m: np.ndarray
+    pair_group: np.ndarray
+    groups: list[dict]
+
+    @property
+    def n_candidates(self) -> int:
+        return len(self.group)
+
+    def length(self, c: int) -> int:
+        return int(self.offsets[c + 1] - self.offsets[c])
+
+    def ids(self, c: int) -> np.ndarray:
+        return self.tokens[self.offsets[c]:self.offsets[c + 1]]
+
+    def group_candidates(self) -> list[np.ndarray]:
+        order = np.argsort(self.group, kind="stable")
+        cuts = np.flatnonzero(np.diff(self.group[order])) + 1
+        return np.split(order, cuts) if len(order) else []
+
+    def group_pairs(self) -> list[np.ndarray]:
+        out = [[] for _ in self.groups]
+        for k, g in enumerate(self.pair_group):
+            out[g].append(k)
+        return [np.asarray(x, np.int64) for x in out]
+
+
+def load_split(data_dir: str, split: str) -> PairSplit:
+    d = np.load(os.path.join(data_dir, f"{split}.npz"))
+    with open(os.path.join(data_dir, f"{split}.groups.jsonl")) as f:
+        groups = [json.loads(line) for line in f]
+    return PairSplit(**{k: d[k] for k in d.files}, groups=groups)
+
+
+@flax.struct.dataclass
+class RMBatch:
+    """Leaves with a leading [A] (accumulation) axis."""
+    inputs: JudgeInputs
+    response_mask: jax.Array   # [A, C, T]
+    pair_a: jax.Array          # [A, P] rows of the same microbatch
+    pair_b: jax.Array
+    pair_p: jax.Array
+    pair_m: jax.Array
+    pair_w: jax.Array          # effective weights (rm_jax.rm.loss.effective_weights); 0 = padding
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    rows: int
+    pairs: int
+    length: int
+    max_patches: int
+    max_images: int
+    frame_capacity: int
+
+
+@dataclasses.dataclass
+class Micro:
+    """Host view of one microbatch (numpy), before stacking."""
+    candidates: np.ndarray     # split candidate index per row
+    pairs: np.ndarray          # split pair index per pair slot
+
+
+def pack(split: PairSplit, group_order, shape: BatchShape) -> list[Micro]:
+    """Greedy packing of whole groups, in the given order."""
+    cands_of, pairs_of = split.group_candidates(), split.group_pairs()
+    out, rows, pairs = [], [], []
+    for g in group_order:
+        c, p = cands_of[g], pairs_of[g]
+        if len(c) > shape.rows or len(p) > shape.pairs:
+            raise ValueError(f"prompt group {split.groups[g]['id']!r} has {len(c)} candidates / {len(p)} pairs, over "
+                             f"the microbatch's rows={shape.rows} / pairs={shape.pairs}: raise rm.rows / rm.pairs")
+        if len(rows) + len(c) > shape.rows or len(pairs) + len(p) > shape.pairs:
+            out.append(Micro(np.asarray(rows, np.int64), np.asarray(pairs, np.int64)))
+            rows, pairs = [], []
+        rows.extend(c.tolist())
+        pairs.extend(p.tolist())
+    if rows:
+        out.append(Micro(np.asarray(rows, np.int64), np.asarray(pairs, np.int64)))
+    return out
+
+
+def micro_arrays(split: PairSplit, micro: Micro, shape: BatchShape, mcfg, pad_id: int) -> dict:
+    """Numpy arrays of one microbatch (right padding)."""
+    c_rows, t = shape.rows, shape.length
+    ids = np.full((c_rows, t), pad_id, np.int32)
+    mask = np.zeros((c_rows, t), np.int32)
+    resp = np.zeros((c_rows, t), np.int32)
+    pix, grid = [], []
+    row_of = {}
+    for r, c in enumerate(micro.candidates):
+        seq = split.ids(c)
+        if len(seq) > t:
+            raise ValueError(f"candidate of length {len(seq)} over the run length {t}")
+        ids[r, :len(seq)] = seq
+        mask[r, :len(seq)] = 1
+        resp[r, split.prompt_len[c]:len(seq)] = 1
+        pix.append(split.pixels[split.pix_offsets[c]:split.pix_offsets[c + 1]])
+        grid.append(split.grids[split.grid_offsets[c]:split.grid_offsets[c + 1]])
+        row_of[int(c)] = r
+    v = mcfg.vision
+    pdim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2   # the vision tower's patch width
+    pix = [x.reshape(-1, pdim) for x in pix]                            # (a text-only split stores width 1)
+    pix_cat = np.concatenate(pix) if pix else np.zeros((0, pdim), np.float32)
+    grid_cat = np.concatenate(grid) if grid else np.zeros((0, 3), np.int32)
+    if len(pix_cat) > shape.max_patches or len(grid_cat) > shape.max_images:
+        raise ValueError(f"a microbatch holds {len(pix_cat)} patches / {len(grid_cat)} images, over "
+                         f"rm.max_patches={shape.max_patches} / rm.max_images={shape.max_images}")
+    pix_pad = np.zeros((shape.max_patches, pdim), np.float32)
+    pix_pad[:len(pix_cat)] = pix_cat
+    grid_pad = np.zeros((shape.max_images, 3), np.int32)
+    grid_pad[:len(grid_cat)] = grid_cat
+    inputs = prepare_inputs(mcfg, ids, mask, pix_pad, grid_pad, attention="lengths",
+                            frame_capacity=shape.frame_capacity)
+    inputs = inputs.replace(kv_lengths_b=np.maximum(inputs.kv_lengths_b, 1))
+    n_p = shape.pairs
+    out = {"inputs": inputs, "response_mask": resp,
+           "pair_a": np.zeros(n_p, np.int32), "pair_b": np.zeros(n_p, np.int32),
+           "pair_p": np.full(n_p, 0.5, np.float32), "pair_m": np.zeros(n_p, np.float32),
+           "pair_w_raw": np.zeros(n_p, np.float32), "pair_group": np.full(n_p, -1, np.int64),
+           "pair_valid": np.zeros(n_p, bool)}
+    for k, q in enumerate(micro.pairs):
+        out["pair_a"][k] = row_of[int(split.pair_a[q])]
+        out["pair_b"][k] = row_of[int(split.pair_b[q])]
+        out["pair_p"][k], out["pair_m"][k] = split.pair_p[q], split.pair_m[q]
+        out["pair_w_raw"][k], out["pair_group"][k] = split.pair_w[q], split.pair_group[q]
+        out["pair_valid"][k] = True
+    return out
+
+
+def assemble(micros: list[dict], group_normalize: bool) -> RMBatch:
+    """Stack a step's microbatches; the effective weights are computed over the whole step."""
+    from rm_jax.rm.loss import effective_weights
+    w = effective_weights(np.concatenate([m["pair_w_raw"] for m in micros]),
+                          np.concatenate([m["pair_group"] for m in micros]),
+                          np.concatenate([m["pair_valid"] for m in micros]), group_normalize)
+    stack = lambda key: np.stack([m[key] for m in micros])
+    return RMBatch(inputs=jax.tree.map(lambda *xs: np.stack(xs), *[m["inputs"] for m in micros]),
+                   response_mask=stack("response_mask"), pair_a=stack("pair_a"), pair_b=stack("pair_b"),
+                   pair_p=stack("pair_p"), pair_m=stack("pair_m"), pair_w=w.reshape(len(micros), -1))
+
+
+def non_pad_tokens(batch: RMBatch) -> int:
+    return int(np.sum(batch.inputs.attention_mask_bt))
+
+
+def step_groups(split: PairSplit, shape: BatchShape, accumulation: int, seed: int, epoch: int) -> list[list[Micro]]:
+    """One epoch's steps: groups shuffled by (seed, epoch), packed, grouped `accumulation` at a time
+    (a short last step is dropped in training, so every step has the same shapes)."""
+    order = np.random.default_rng((seed, epoch)).permutation(len(split.groups))
+    micros = pack(split, order, shape)
+    n = len(micros) // accumulation
+    return [micros[i * accumulation:(i + 1) * accumulation] for i in range(n)]
+
+
+def split_from_rendered(rendered: list) -> PairSplit:
+    """Candidates rendered on the fly (benchmarks, scoring files) as a pair-less split."""
+    lens = lambda xs: np.cumsum([0] + [len(x) for x in xs]).astype(np.int64)
+    toks = [np.concatenate([c.prompt_ids, c.response_ids]) for c in rendered]
+    pix = [c.pixel_values for c in rendered]
+    pdim = next((p.shape[1] for p in pix if p.size), 1)
+    z = np.zeros(0, np.int32)
+    return PairSplit(tokens=np.concatenate(toks).astype(np.int32) if toks else z, offsets=lens(toks),
+                     prompt_len=np.asarray([len(c.prompt_ids) for c in rendered], np.int32),
+                     response_len=np.asarray([len(c.response_ids) for c in rendered], np.int32),
+                     pixels=np.concatenate([p.reshape(-1, pdim) for p in pix]) if pix else np.zeros((0, pdim)),
+                     pix_offsets=lens(pix),
+                     grids=np.concatenate([c.image_grid_thw for c in rendered]) if rendered else np.zeros((0, 3), np.int32),
+                     grid_offsets=lens([c.image_grid_thw for c in rendered]),
+                     group=np.arange(len(rendered), dtype=np.int32), utility=np.full(len(rendered), np.nan),
+                     pair_a=z, pair_b=z, pair_p=z.astype(np.float32), pair_w=z.astype(np.float32),
+                     pair_m=z.astype(np.float32), pair_group=z, groups=[{} for _ in rendered])
+
+
+def score_candidates(builder, params, split: PairSplit, shape: BatchShape, mcfg, pad_id: int) -> np.ndarray:
+    """Reward of every candidate of a split, [C] (rows packed in order, one microbatch at a time)."""
+    out = np.full(split.n_candidates, np.nan, np.float64)
+    idx = np.arange(split.n_candidates)
+    for start in range(0, len(idx), shape.rows):
+        rows = idx[start:start + shape.rows]
+        # Images are packed per microbatch; split further when a chunk is over the image budget.
+        chunks = [rows]
+        while True:
+            bad = [c for c in chunks if _patches(split, c) > shape.max_patches and len(c) > 1]
+            if not bad:
+                break
+            c = bad[0]
+            k = chunks.index(c)
+            chunks[k:k + 1] = [c[:len(c) // 2], c[len(c) // 2:]]
+        for c in chunks:
+            m = micro_arrays(split, Micro(c, np.zeros(0, np.int64)), shape, mcfg, pad_id)
+            batch = assemble([m], True)
+            out[c] = builder.score(params, batch)[0, :len(c)]
+    return out
+
+
+def _patches(split: PairSplit, rows) -> int:
+    return int(sum(split.pix_offsets[c + 1] - split.pix_offsets[c] for c in rows))

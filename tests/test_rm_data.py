@@ -1,0 +1,154 @@
+"""Preference contract, pair build (filtering with reasons, prefix identity, prompt-grouped splits),
+packing, and the benchmark-format readers on small files built here."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rm_jax.rm import benchmarks, build, synth_prefs
+from rm_jax.rm import data as data_lib
+from rm_jax.rm.prefs import expand_ranking
+from rm_jax.rm.render import RMRenderer
+
+
+def test_expand_ranking():
+    pairs = expand_ranking([0, 1, None, 0])
+    got = {(q.a, q.b): q.p for q in pairs}
+    assert got == {(0, 1): 1.0, (0, 3): 0.5, (1, 3): 0.0}
+
+
+def _line(pid, responses, **extra):
+    return {"id": pid, "prompt_id": pid, "messages": [{"role": "user", "content": "draw a red star please"}],
+            "candidates": [{"response": {"content": r}} for r in responses], **extra}
+
+
+@pytest.fixture(scope="module")
+def built(renderer, tmp_path_factory):
+    d = tmp_path_factory.mktemp("prefs")
+    long = "word " * 400
+    lines = [_line(f"q{k}", ["Done: a red star.", "Here is a blue star.", "A red star, 2K."],
+                   pairs=[{"a": 0, "b": 1, "p": 1}, {"a": 0, "b": 2, "p": 0.5}, {"a": 2, "b": 1, "p": 0.8, "weight": 2}])
+             for k in range(30)]
+    lines.append(_line("long", ["short answer", long], pairs=[{"a": 0, "b": 1, "p": 1}]))
+    lines.append(_line("ranked", ["a", "b", "c"]) | {"candidates": [
+        {"response": {"content": "x"}, "rank": 0}, {"response": {"content": "y"}, "rank": 1},
+        {"response": {"content": "z"}, "rank": 1}]})
+    bad = [_line("bad_pair", ["a", "b"], pairs=[{"a": 0, "b": 0, "p": 1}]),
+           _line("one", ["a"], pairs=[]), _line("no_labels", ["a", "b"])]
+    with open(d / "prefs.jsonl", "w") as f:
+        for x in lines + bad:
+            f.write(json.dumps(x) + "\n")
+        f.write("{not json\n")
+    out = d / "built"
+    stats = build.build(str(d / "prefs.jsonl"), str(out), RMRenderer(renderer),
+                        build.PairBuildOptions(max_len=512, heldout_fraction=0.2, calibration_fraction=0.2))
+    return str(out), stats
+
+
+def test_build_counts_and_reasons(built):
+    out, stats = built
+    assert stats["read"] == 36 and stats["kept"] == 31 and stats["rejected"] == 5
+    assert stats["rejected_by_reason"] == {"bad_pair": 1, "too_few_candidates": 1, "no_pairs": 1, "bad_json": 1,
+                                           "no_pairs_kept": 1}
+    # the long candidate's pair is filtered, never truncated, and counted on the rejected side
+    assert stats["pairs_filtered_by_reason"] == {"overlength": 1}
+    assert stats["overlength_filter_rate"] == pytest.approx(1 / stats["pairs_read"])
+    assert stats["rejected_truncation_rate"] == pytest.approx(1 / stats["pairs_read"])
+    assert stats["chosen_truncation_rate"] == 0 and stats["missing_eos_rate"] == 0
+    assert sum(s["prompts"] for s in stats["splits"].values()) == 31   # "long" kept no pair: rejected
+    rejects = [json.loads(x) for x in open(os.path.join(out, "rejects.jsonl"))]
+    assert {r["reason"] for r in rejects} >= {"bad_pair", "bad_json", "no_pairs_kept"}
+
+
+def test_splits_grouped_and_prefix_shared(built, renderer):
+    out, stats = built
+    seen = {}
+    for s in build.SPLITS:
+        sp = data_lib.load_split(out, s)
+        for g in sp.groups:
+            assert g["prompt_id"] not in seen
+            seen[g["prompt_id"]] = s
+        for g, cands in enumerate(sp.group_candidates()):
+            prompts = [sp.ids(c)[:sp.prompt_len[c]] for c in cands]
+            assert all(np.array_equal(p, prompts[0]) for p in prompts)
+            for c in cands:
+                assert sp.ids(c)[-1] == renderer.eos_id            # the reward position's token
+        assert np.all(sp.group[sp.pair_a] == sp.pair_group) and np.all(sp.group[sp.pair_b] == sp.pair_group)
+    assert {"train", "calibration", "heldout"} == set(seen.values())
+
+
+def test_pack_keeps_groups_whole(built):
+    out, _ = built
+    sp = data_lib.load_split(out, "train")
+    shape = data_lib.BatchShape(rows=8, pairs=8, length=512, max_patches=64, max_images=4, frame_capacity=64)
+    micros = data_lib.pack(sp, range(len(sp.groups)), shape)
+    assert sorted(np.concatenate([m.pairs for m in micros]).tolist()) == list(range(len(sp.pair_a)))
+    for m in micros:
+        assert set(sp.pair_a[m.pairs]) | set(sp.pair_b[m.pairs]) <= set(m.candidates)
+        assert len(m.candidates) <= 8 and len(m.pairs) <= 8
+
+
+def test_synth_groups_become_rankings(synth_dir):
+    samples = [json.loads(x) for x in open(os.path.join(synth_dir, "samples.jsonl"))]
+    lines = synth_prefs.preference_lines(samples)
+    assert lines and all(len(x["candidates"]) >= 2 for x in lines)
+    for x in lines[:20]:
+        group = [s for s in samples if s["prompt_id"] == x["prompt_id"]]
+        assert [c["rank"] for c in x["candidates"]] == [int(s["label"]["l3"] == "fail") for s in group]
+
+
+def _png(path):
+    Image.new("RGB", (32, 24), (200, 20, 20)).save(path)
+
+
+def test_benchmark_readers(tmp_path):
+    score = lambda samples: np.asarray([len(s.response.content) for s in samples], float)   # longer = better
+    rows = {
+        "rewardbench": [{"id": "1", "prompt": "q", "chosen": "long answer", "rejected": "no", "subset": "chat"},
+                        {"id": "2", "prompt": "q", "chosen": "no", "rejected": "long answer", "subset": "chat"},
+                        {"id": "3", "prompt": "q", "chosen": "longer", "rejected": "short", "subset": "math"},
+                        {"id": "4", "prompt": "q", "rejected": "x", "subset": "math"}],
+        "rewardbench2": [{"id": "1", "prompt": "q", "chosen": ["the best one"], "rejected": ["a", "bb", "ccc"],
+                          "subset": "Focus"},
+                         {"id": "2", "prompt": "q", "chosen": ["ok"], "rejected": ["a", "much longer", "c"],
+                          "subset": "Focus"},
+                         {"id": "3", "prompt": "q", "chosen": ["tie one", "tie two"], "rejected": ["t"],
+                          "subset": "Ties"}],
+        "vl_rewardbench": [{"id": "1", "query": "what?", "image": "img.png", "response": ["short", "a long one"],
+                            "human_ranking": [1, 0]},
+                           {"id": "2", "query": "what?", "image": "missing.png", "response": ["a", "b"],
+                            "human_ranking": [0, 1]}],
+        "mm_rewardbench": [{"id": "1", "Text": "q", "Image": "img.png", "Output1": "yes indeed", "Output2": "no",
+                            "Better": "Output2", "Category": "coco"},
+                           {"id": "2", "Text": "q", "Image": "img.png", "Output1": "yes indeed", "Output2": "no",
+                            "Better": "Output1", "Category": "coco"},
+                           {"id": "3", "Text": "q", "Image": "img.png", "Output1": "a", "Output2": "b", "Better": "3"}],
+    }
+    _png(tmp_path / "img.png")
+    expect = {"rewardbench": (3, 1, 2 / 3, 0.5), "rewardbench2": (3, 0, 2 / 3, 2 / 3),
+              "vl_rewardbench": (1, 1, 1.0, 0.5), "mm_rewardbench": (2, 1, 0.5, 1 / 3)}
+    for fmt, data in rows.items():
+        path = tmp_path / f"{fmt}.jsonl"
+        with open(path, "w") as f:
+            for r in data:
+                f.write(json.dumps(r) + "\n")
+            if fmt == "rewardbench":
+                f.write("{broken\n")
+        items, failures = benchmarks.read(fmt, str(path))
+        res = benchmarks.accuracy(fmt, items, failures, score)
+        n, n_fail, acc, acc_all = expect[fmt]
+        if fmt == "rewardbench":
+            n_fail += 1
+            acc_all = 2 / 5
+        assert (res["n"], res["parse_failures"]) == (n, n_fail), fmt
+        assert res["accuracy"] == pytest.approx(acc), fmt
+        assert res["accuracy_counting_failures"] == pytest.approx(acc_all), fmt
+    items, _ = benchmarks.read("rewardbench", str(tmp_path / "rewardbench.jsonl"))
+    res = benchmarks.accuracy("rewardbench", items, [], score)
+    assert res["by_subset"] == {"chat": {"accuracy": 0.5, "n": 2}, "math": {"accuracy": 1.0, "n": 1}}
+    assert res["subset_mean"] == pytest.approx(0.75)
+    vl, _ = benchmarks.read("vl_rewardbench", str(tmp_path / "vl_rewardbench.jsonl"))
+    assert vl[0].samples[0].images and vl[0].chosen == [1]
