@@ -278,8 +278,6 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
     ``expert_layout`` ("published"/"in_out" or "transformers"/"out_in") is needed only when the
     fused-expert shapes are ambiguous (hidden_size == 2 * moe_intermediate_size).
     """
-    if expert_layout is not None and expert_layout not in EXPERT_LAYOUTS:
-        raise ValueError(f"expert_layout={expert_layout!r}; expected one of {sorted(EXPERT_LAYOUTS)}")
     try:
         pdtype = jnp.dtype(dtype)
     except TypeError as e:
@@ -293,6 +291,10 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
     from rm_jax.model import registry
     cfg = read_config(hf_dir, runtime)
     arch = registry.architecture_of(cfg)
+    if arch.load_hf is not None:
+        return arch.load_hf(hf_dir, dtype=dtype, mesh=mesh, expert_layout=expert_layout, runtime=runtime)
+    if expert_layout is not None and expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout={expert_layout!r}; expected one of {sorted(EXPERT_LAYOUTS)}")
     files = checkpoint_files(hf_dir)
     index = _header_index(files)
     if _stored_head_differs(index, cfg, (arch.head_key, arch.embed_key)):
@@ -380,6 +382,8 @@ def save_hf(model: "JudgeModel", out_dir, *, dtype=None, expert_layout: str | No
     from rm_jax.model import registry
     cfg = model.cfg
     arch = registry.architecture_of(cfg)
+    if arch.save_hf is not None:
+        return arch.save_hf(model, out_dir, dtype=dtype, expert_layout=expert_layout)
     layout = EXPERT_LAYOUTS[expert_layout or cfg.hf_expert_layout or "out_in"]
     # Each tensor goes back in the dtype it was loaded from (bf16 -> fp32 -> bf16 is exact, and a
     # checkpoint with fp32 norms among bf16 weights keeps them); ``dtype`` forces one for all.

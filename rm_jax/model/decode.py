@@ -26,8 +26,8 @@ Design choices:
   it and returns what each kind adds, and this module writes it (``write_one`` / ``write_many``).
   Nothing here knows an architecture.
 * **Static shapes, no recompile per token.** The KV cache is ``[attention layers, B, S, kv_heads,
-  head_dim]`` with ``S = prompt bucket + max_new_tokens``; every step writes one column per row and attends
-  over all ``S`` keys with per-row key lengths. A step therefore has the same shapes whatever the
+  head_dim]`` with ``S = prompt bucket + max_new_tokens``; every step writes one column per row
+  and attends over all ``S`` keys with per-row key lengths. A step therefore has the same shapes whatever the
   step index, so it compiles once per (batch, bucket).
 * **Right padding** (the training loader's layout, and the layout ``prepare_inputs(...,
   attention="lengths")`` checks). Row ``b``'s prompt occupies cache slots ``[0, len_b)``; its

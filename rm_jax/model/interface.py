@@ -3,9 +3,8 @@
 Design choices:
 
 * **One small surface.** ``JudgeModel`` is a ``typing.Protocol`` (checkable with ``isinstance``)
-  listing exactly what the pipeline calls: ``cfg``, ``dtype``, ``mesh``, ``layer_groups``,
-  ``forward_arrays`` on a ``JudgeInputs`` pytree, ``head_dv`` and ``final_norm`` for a chunked /
-  sliced LM head, ``decode_tokens`` for cached decoding and ``param_shardings``. Architectures
+  listing exactly what the pipeline calls: ``cfg``, ``dtype``, ``mesh``, ``forward_arrays`` on a
+  ``JudgeInputs`` pytree, ``head_dv`` and ``final_norm`` for a chunked / sliced LM head, ``decode_tokens`` for cached decoding and ``param_shardings``. Architectures
   (``rm_jax.model.qwen3_vl_moe``, ``rm_jax.model.qwen3_5_moe``) implement it; nothing outside
   their packages names a model class.
 * **Records between stages.** ``JudgeInputs`` (built outside jit by ``rm_jax.model.inputs``) and
@@ -16,7 +15,7 @@ Design choices:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import flax.struct
 import jax
@@ -27,7 +26,6 @@ from rm_jax.model.vision import VisionInputs
 
 if TYPE_CHECKING:
     from rm_jax.model.decode_state import DecodeState, NewTokenState
-    from rm_jax.model.layer_stack import LayerGroup
 
 
 @flax.struct.dataclass
@@ -65,7 +63,6 @@ class JudgeModel(Protocol):
     cfg: Any                                  # the architecture's typed config (``model_type`` names it)
     dtype: Any                                # activation dtype
     mesh: Any                                 # the mesh forward runs under (None: no mesh)
-    layer_groups: "Sequence[LayerGroup]"      # decoder layers as scanned groups of one LayerSpec
 
     def forward_arrays(self, inputs: JudgeInputs, *, return_hidden: bool = False, logits: bool = True,
                        return_kv: bool = False) -> JudgeOutput:

@@ -25,9 +25,9 @@ from rm_jax.model.placement import param_shardings
 
 
 class JudgeModule(nnx.Module):
-    """Base of the architectures' model classes (they set ``cfg``, ``dtype``, ``mesh``,
-    ``layer_groups`` and implement ``forward_arrays``, ``head_dv``, ``final_norm``,
-    ``decode_tokens``: ``rm_jax.model.interface.JudgeModel``)."""
+    """Base of the architectures' model classes: they set ``cfg``, ``dtype``, ``mesh`` and
+    implement ``forward_arrays``, ``head_dv``, ``final_norm``, ``decode_tokens``
+    (``rm_jax.model.interface.JudgeModel``)."""
 
     def __setattr__(self, name, value):
         _SPLIT_CACHE.pop(self, None)       # a new attribute may change the graph: split again

@@ -37,6 +37,10 @@ class Architecture:
     embed_key: str                                          # HF key of the input embedding
     head_key: str = "lm_head.weight"
     prepare_inputs: Callable = inputs_lib.prepare_inputs    # (cfg, input_ids, mask, pixels, grid, **kw)
+    # An architecture whose checkpoints need more than the key table (e.g. per-expert tensors
+    # gathered into a fused one) supplies its own; None: convert.load_hf / save_hf with key_table.
+    load_hf: Callable | None = None
+    save_hf: Callable | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {}
