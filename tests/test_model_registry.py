@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from rm_jax.model import LayerSpec, ModelConfig, config_from_hf_dict, load_hf, registry
+from rm_jax.model import JudgeModel, LayerSpec, ModelConfig, Qwen3VLMoeJudge, config_from_hf_dict, load_hf, registry
 from rm_jax.model.config import ConfigError
 from rm_jax.model.layer_stack import LayerGroup, group_layers, kind_offsets
 from rm_jax.model.safetensors_io import CheckpointError
@@ -36,6 +36,8 @@ def test_known_model_types():
     cfg = config_from_hf_dict(_vl_dict())
     assert isinstance(cfg, ModelConfig) and cfg.model_type == "qwen3_vl_moe"
     assert registry.architecture_of(cfg).model_type == "qwen3_vl_moe"
+    model = registry.abstract_model(cfg)            # shapes only
+    assert isinstance(model, Qwen3VLMoeJudge) and isinstance(model, JudgeModel)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
