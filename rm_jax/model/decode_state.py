@@ -44,7 +44,7 @@ class DecodeState:
     length_b: jax.Array                      # tokens held per row = the next KV write slot
     next_pos_b: jax.Array                    # MRoPE position (all three axes) of the next token
 
-    # The attention cache's arrays, as the pre-per-kind ``KVCache`` named them.
+    # Shorthands for the attention cache (the only kind Qwen3-VL has).
     @property
     def k_lbskh(self) -> jax.Array:
         return self.kv.k_lbskh
