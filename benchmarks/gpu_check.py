@@ -180,7 +180,7 @@ def check_train_step(seq: int = 4096, steps: int = 3, text_overrides: dict | Non
     import numpy as np
 
     from configs import qwen3_vl_30b_a3b
-    from rm_jax.model import judge as judge_lib
+    from rm_jax.model import registry
     from rm_jax.train import loop, optim
     from rm_jax.train.step import StepBatch, StepBuilder, host_batch_to_device
 
@@ -211,7 +211,7 @@ def check_train_step(seq: int = 4096, steps: int = 3, text_overrides: dict | Non
         ids = rng.integers(1000, mcfg.text.vocab_size, size=(b, seq)).astype(np.int32)
         mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int32)
         target = ((np.arange(seq)[None, :] >= lengths[:, None] - 64) & (mask > 0)).astype(np.float32)
-        inputs = judge_lib.prepare_inputs(mcfg, ids * mask, mask, attention="lengths")
+        inputs = registry.prepare_inputs(mcfg, ids * mask, mask, attention="lengths")
         micro.append((inputs, target))
     batch = StepBatch(inputs=jax.tree.map(lambda *xs: np.stack(xs), *[m[0] for m in micro]),
                       target_mask=np.stack([m[1] for m in micro]))
@@ -258,7 +258,7 @@ def check_score_throughput(n: int = 192, batch: int = 32) -> dict:
     from rm_jax.data import synth
     from rm_jax.data.render import Renderer
     from rm_jax.data.schema import Sample, read_samples
-    from rm_jax.model import judge as judge_lib
+    from rm_jax.model import registry
     from rm_jax.score.scorer import Scorer
     from rm_jax.train import loop
 
@@ -267,7 +267,7 @@ def check_score_throughput(n: int = 192, batch: int = 32) -> dict:
         synth.write_dataset(tmp, n=n, seed=0)
         renderer = Renderer.from_config(cfg.data, os.path.join(tmp, "tokenizer"))
         samples = [s for s in read_samples(os.path.join(tmp, "samples.jsonl")) if isinstance(s, Sample)]
-        model = judge_lib.init_model(loop.model_config(cfg), seed=0)
+        model = registry.init_model(loop.model_config(cfg), seed=0)
         scorer = Scorer(model, renderer, buckets=tuple(cfg.data.buckets), batch_size=batch, progress=False)
         scorer.p_pass(samples)                  # compile every bucket the samples need
         t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
     python -m benchmarks.memory_plan [--variants=fsdp8,ep8,ep8_zero,fsdp8_img] [--grad_accum=4]
 
-No weights are allocated: the model is ``judge.abstract_model`` (nnx.eval_shape), the optimizer
+No weights are allocated: the model is ``registry.abstract_model`` (nnx.eval_shape), the optimizer
 state ``jax.eval_shape(optimizer.init, ...)``, the batch ``ShapeDtypeStruct``s with the trainer's
 shardings. The step is ``StepBuilder._train_step`` jitted by ``StepBuilder.jit_train`` exactly as
 ``rm_jax.train.loop.run`` does, lowered and compiled for 8 CPU devices.
@@ -155,7 +155,7 @@ def abstract_batch(mcfg, a: int, b: int, t: int, patches: int, frame_patches: in
     import jax
     import jax.numpy as jnp
 
-    from rm_jax.model.judge import JudgeInputs
+    from rm_jax.model.interface import JudgeInputs
     from rm_jax.model.vision import VisionInputs
     from rm_jax.train.step import StepBatch
     sds = jax.ShapeDtypeStruct
@@ -179,10 +179,10 @@ def weight_shardings(params, mesh, rules_override):
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from rm_jax.model import hf
+    from rm_jax.model.placement import param_shardings
     from rm_jax.sharding import LOGICAL_RULES, logical_to_spec
     if rules_override is None:
-        return hf.param_shardings(params, mesh)
+        return param_shardings(params, mesh)
     rules = tuple((k, rules_override.get(k, v)) for k, v in LOGICAL_RULES)
 
     def spec(v):
@@ -225,7 +225,7 @@ def compile_variant(name, f):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from configs import qwen3_vl_30b_a3b
-    from rm_jax.model import judge as judge_lib
+    from rm_jax.model import registry
     from rm_jax.sharding import make_mesh
     from rm_jax.train import loop, optim
     from rm_jax.train.step import StepBuilder
@@ -254,7 +254,7 @@ def compile_variant(name, f):
         + (" (= configs/qwen3_vl_30b_a3b.py)" if same else " (differs from configs/qwen3_vl_30b_a3b.py)"))
 
     t0 = time.time()
-    model = judge_lib.abstract_model(mcfg)
+    model = registry.abstract_model(mcfg)
     ocfg = dataclasses.replace(optim.OptimConfig.from_config(cfg.train), total_steps=2299)
     optimizer = optim.make_optimizer(ocfg, model)
     step_cfg = loop.step_config(cfg)
@@ -333,7 +333,8 @@ def layer_flops(mcfg, b_local: int, t: int, n_patches: int) -> tuple[float, floa
     import jax.numpy as jnp
     from flax import nnx
 
-    from rm_jax.model.judge import DecoderLayer
+    from rm_jax.model.layer_stack import LayerSpec
+    from rm_jax.model.qwen3_vl_moe.model import DecoderLayer
     from rm_jax.model.layers import AttentionMask, causal_padding_mask, mrope_cos_sin
     from rm_jax.model.vision import VisionBlock
     sds = jax.ShapeDtypeStruct
@@ -356,7 +357,7 @@ def layer_flops(mcfg, b_local: int, t: int, n_patches: int) -> tuple[float, floa
         mask = jnp.ones((b_local, t), jnp.int32) + 0 * ids
         return layer(x, cos, sin, AttentionMask(mask_b1ts=causal_padding_mask(mask)), mask)[0]
 
-    f_text = grad_flops(lambda: DecoderLayer(mcfg, True, rngs=nnx.Rngs(0)), text_call,
+    f_text = grad_flops(lambda: DecoderLayer(mcfg, LayerSpec("attention", "moe"), rngs=nnx.Rngs(0)), text_call,
                         sds((b_local, t, tc.hidden_size), dt), sds((b_local, t), jnp.int32))
     f_vis = 0.0
     if n_patches:

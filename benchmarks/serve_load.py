@@ -108,7 +108,7 @@ def main(argv):
     from rm_jax.data import synth
     from rm_jax.data.render import Renderer
     from rm_jax.data.schema import Sample, read_samples
-    from rm_jax.model.judge import init_model
+    from rm_jax.model import init_model
     from rm_jax.score.reward import RewardSettings
     from rm_jax.serve.app import ServeSettings, create_app
     from rm_jax.serve.engine import Engine

@@ -49,7 +49,7 @@ def main(argv):
     from configs import tiny
     from rm_jax.model import load_hf
     from rm_jax.model.config import RuntimeOptions
-    from rm_jax.model.judge import prepare_inputs
+    from rm_jax.model import prepare_inputs
     from rm_jax.sharding import make_mesh
     from rm_jax.train import optim
     from rm_jax.train.loss import LossConfig

@@ -50,7 +50,7 @@ def _mesh():
 def hf_to_orbax(hf_dir, out, *, dtype="float32", expert_layout=None, mesh=None) -> Path:
     import orbax.checkpoint as ocp
     from flax import nnx
-    from rm_jax.model.hf import load_hf
+    from rm_jax.model.convert import load_hf
     model, cfg = load_hf(hf_dir, dtype=dtype, mesh=mesh, expert_layout=expert_layout)
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
@@ -69,13 +69,13 @@ def orbax_to_model(ckpt, *, mesh=None):
     import jax
     import orbax.checkpoint as ocp
     from flax import nnx
-    from rm_jax.model.config import ModelConfig, RuntimeOptions
-    from rm_jax.model.hf import param_shardings
-    from rm_jax.model.judge import abstract_model
+    from rm_jax.model.config import RuntimeOptions
+    from rm_jax.model.placement import param_shardings
+    from rm_jax.model.registry import abstract_model, config_from_hf_dict
     ckpt = Path(ckpt).absolute()
     meta = json.loads((ckpt / "rm_jax.json").read_text())
     runtime = RuntimeOptions(dtype=meta["dtype"], param_dtype=meta["dtype"])
-    cfg = ModelConfig.from_hf_dict(json.loads((ckpt / "config.json").read_text()), runtime)
+    cfg = config_from_hf_dict(json.loads((ckpt / "config.json").read_text()), runtime)
     cfg = dataclasses.replace(cfg, hf_expert_layout=meta.get("expert_layout"),
                               hf_tensor_dtypes=meta.get("tensor_dtypes"))
     model = abstract_model(cfg)
@@ -121,7 +121,7 @@ def _copy_tokenizer(workdir: Path, out: Path) -> None:
 
 
 def orbax_to_hf(ckpt, out, *, dtype=None, expert_layout=None, step: int | None = None) -> Path:
-    from rm_jax.model.hf import save_hf
+    from rm_jax.model.convert import save_hf
     ckpt = Path(ckpt).absolute()
     run = _training_run(ckpt, step)
     if run is not None:

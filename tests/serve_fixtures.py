@@ -45,7 +45,7 @@ def make_judge_workdir(root, tiny_cfg, shards_dir: str, renderer, *, steps=(1,),
     import jax.numpy as jnp
     from flax import nnx
 
-    from rm_jax.model.judge import init_model
+    from rm_jax.model import init_model
     from rm_jax.train.checkpoint import CheckpointOptions, Checkpointer
     from rm_jax.train.loop import model_config
     from rm_jax.train.step import TrainState

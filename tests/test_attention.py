@@ -108,7 +108,7 @@ def test_gpu_choices_are_config_keys_validated_by_name(tiny_cfg):
     The 30B config runs what the memory plan measured: cuDNN flash and tokamax."""
     import os
     from launch.common import load_config
-    from rm_jax.model import judge
+    from rm_jax.model import registry
     from rm_jax.train import loop
     cfg = tiny_cfg.copy_and_resolve_references()
     cfg.moe.ragged_dot, cfg.train.attention = "lax", "xla"
@@ -116,7 +116,7 @@ def test_gpu_choices_are_config_keys_validated_by_name(tiny_cfg):
 
     from rm_jax.model.layers import Attention
     from rm_jax.model.moe import SparseMoeBlock
-    model = judge.abstract_model(loop.model_config(cfg))
+    model = registry.abstract_model(loop.model_config(cfg))
     nodes = [node for _, node in nnx.iter_graph(model)]
     moes = [n for n in nodes if isinstance(n, SparseMoeBlock)]
     attns = [n for n in nodes if isinstance(n, Attention)]

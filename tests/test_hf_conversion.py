@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rm_jax.model import load_hf, save_hf
-from rm_jax.model.hf import CheckpointError, read_safetensors, write_safetensors
+from rm_jax.model.safetensors_io import CheckpointError, read_safetensors, write_safetensors
 from test_model_parity import build_hf, hf_forward, multimodal_batch, parity_hf_config, rel_err
 
 EXPERT_KEYS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -218,12 +218,12 @@ def test_export_streams_shards_with_host_memory_bounded_by_one_shard(tiny_cfg, t
 
     from flax import nnx
 
-    from rm_jax.model import judge
+    from rm_jax.model import registry
     from rm_jax.train import loop
     cfg = tiny_cfg.copy_and_resolve_references()
     t = cfg.model.text_config
     t.hidden_size, t.moe_intermediate_size, t.intermediate_size, t.num_hidden_layers = 256, 256, 512, 12
-    model = judge.init_model(loop.model_config(cfg), seed=0)
+    model = registry.init_model(loop.model_config(cfg), seed=0)
     export_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))) // 2
 
     def peak(max_shard: int, name: str) -> tuple[int, int]:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rm_jax.model import judge
+from rm_jax.model import registry
 
 
 def test_cached_split_sees_in_place_updates_and_attribute_changes(tiny_cfg):
@@ -14,7 +14,7 @@ def test_cached_split_sees_in_place_updates_and_attribute_changes(tiny_cfg):
     cfg.model.text_config.num_hidden_layers = 2
     cfg.model.vision_config.depth = 1
     cfg.model.vision_config.deepstack_visual_indexes = (0,)
-    model = judge.init_model(model_config(cfg))
+    model = registry.init_model(model_config(cfg))
     ids = np.arange(20, 52).reshape(2, 16)
     before = np.asarray(model(ids))
     assert model.split_cached() is model.split_cached()
@@ -41,7 +41,7 @@ def test_takes_a_qwen_vl_processor_output_as_is(tiny_cfg):
     cfg = tiny_cfg.copy_and_resolve_references()
     cfg.model.text_config.num_hidden_layers = 1
     mcfg = model_config(cfg)
-    model = judge.init_model(mcfg)
+    model = registry.init_model(mcfg)
     vc = mcfg.vision
     image_processor = transformers.Qwen2VLImageProcessor(
         patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,

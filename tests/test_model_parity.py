@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rm_jax.model import load_hf
+from rm_jax.model import LayerSpec, load_hf
 
 IMAGE, VSTART, VEND = 5, 3, 4
 
@@ -101,7 +101,10 @@ def test_config_structure(multimodal):
     model, cfg, _, _ = multimodal
     assert [cfg.text.is_sparse(i) for i in range(5)] == [True, True, False, True, True]
     # layers 0 and 1 receive deepstack features -> alone; layer 2 dense; 3-4 one scanned run.
-    assert list(model.segments) == [(0, 1, True), (1, 2, True), (2, 3, False), (3, 5, True)]
+    moe, dense = LayerSpec("attention", "moe"), LayerSpec("attention", "dense")
+    assert cfg.layer_specs() == (moe, moe, dense, moe, moe)
+    assert [(g.start, g.end, g.spec) for g in model.layer_groups] == [(0, 1, moe), (1, 2, moe), (2, 3, dense),
+                                                                     (3, 5, moe)]
 
 
 def test_multimodal_logits_hidden_and_vision(multimodal):

@@ -1,12 +1,12 @@
 """KV-cache greedy decoding for the judge: one prefill, then static-shape decode steps.
 
-``Decoder(model)`` wraps a ``Qwen3VLMoeJudge`` (split once; the jitted functions take the graph
-definition as a static argument and the params as arrays, like the train step):
+``Decoder(model)`` wraps any ``interface.JudgeModel`` (split once; the jitted functions take the
+graph definition as a static argument and the params as arrays, like the train step):
 
-* ``prefill(inputs, cache_len) -> (logits_bv, KVCache)``: the ordinary ``forward_arrays`` over the
-  prompt (images, deepstack, MRoPE positions from ``prepare_inputs``) with ``return_kv=True`` and
-  no ``[B, T, V]`` head: only each row's last position goes through the LM head.
-* ``step(cache, token_b) -> (logits_bv, KVCache)``: one new token per row.
+* ``prefill(inputs, cache_len) -> (logits_bv, DecodeState)``: the ordinary ``forward_arrays`` over
+  the prompt (images, deepstack, MRoPE positions from ``prepare_inputs``) with ``return_kv=True``
+  and no ``[B, T, V]`` head: only each row's last position goes through the LM head.
+* ``step(cache, token_b) -> (logits_bv, DecodeState)``: one new token per row.
 * ``extend_slot_logits(cache, rows_b, tokens_bn, n_b, ...)`` / ``generate_shared(...)``: several
   new tokens per row continuing a *shared* prefix cache row (a GRPO group's prompt, prefilled
   once): the slot logits after them, or decoding from there.
@@ -21,9 +21,13 @@ definition as a static argument and the params as arrays, like the train step):
 
 Design choices:
 
-* **Static shapes, no recompile per token.** The cache is ``[layers, B, S, kv_heads, head_dim]``
-  with ``S = prompt bucket + max_new_tokens``; every step writes one column per row and attends
-  over all ``S`` keys with per-row key lengths. A step therefore has the same shapes whatever the
+* **State per layer kind** (``rm_jax.model.decode_state``): attention layers keep a KV cache,
+  Gated DeltaNet layers a recurrent state; the model's ``decode_tokens`` runs new tokens against
+  it and returns what each kind adds, and this module writes it (``write_one`` / ``write_many``).
+  Nothing here knows an architecture.
+* **Static shapes, no recompile per token.** The KV cache is ``[attention layers, B, S, kv_heads,
+  head_dim]`` with ``S = prompt bucket + max_new_tokens``; every step writes one column per row
+  and attends over all ``S`` keys with per-row key lengths. A step therefore has the same shapes whatever the
   step index, so it compiles once per (batch, bucket).
 * **Right padding** (the training loader's layout, and the layout ``prepare_inputs(...,
   attention="lengths")`` checks). Row ``b``'s prompt occupies cache slots ``[0, len_b)``; its
@@ -42,6 +46,7 @@ Design choices:
   k/v as scan outputs (leading layer axis) and the decode step scans the same stacks with the
   matching slice of the cache as ``xs``; each layer returns only its new ``[B, 1, K, Hd]`` k/v, and
   the step scatters all of them into the full cache once (in place: the step donates the cache).
+  A recurrent state is replaced instead; pad tokens (``valid_bn`` False) leave it unchanged.
 * **The verdict slot is found by the decoder, not by searching text afterwards.** A small
   automaton over token *strings* (``slot_automaton``: KMP over the characters of ``"l3": "``,
   precomputed as a ``[states, V]`` table) runs inside the loop; when a row's generated text ends
@@ -64,20 +69,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rm_jax.model.judge import JudgeInputs, Qwen3VLMoeJudge, StaticGraph
-from rm_jax.model.layers import mrope_cos_sin
+from rm_jax.model import decode_state
+from rm_jax.model.decode_state import DecodeState
+from rm_jax.model.interface import JudgeInputs, JudgeModel, StaticGraph
 from rm_jax.sharding import constrain
 
 SLOT_PATTERN = '"l3": "'
-_CACHE_NAMES = (None, "batch", None, "act_heads", None)
-
-
-@flax.struct.dataclass
-class KVCache:
-    k_lbskh: jax.Array          # rotated keys of every decoder layer
-    v_lbskh: jax.Array
-    length_b: jax.Array         # tokens held per row = the next write slot (right padding)
-    next_pos_b: jax.Array       # MRoPE position (all three axes) of the next token
 
 
 @flax.struct.dataclass
@@ -151,7 +148,7 @@ def slot_automaton(tokenizer, vocab_size: int, pattern: str = SLOT_PATTERN) -> n
 # Pure functions (traced inside jit)
 # ---------------------------------------------------------------------------------------------
 
-def _head(model: Qwen3VLMoeJudge, h_bd: jax.Array) -> jax.Array:
+def _head(model: JudgeModel, h_bd: jax.Array) -> jax.Array:
     logits_bv = jnp.einsum("bd,dv->bv", h_bd, model.head_dv().astype(model.dtype)).astype(jnp.float32)
     return constrain(logits_bv, ("batch", "act_vocab"))
 
@@ -168,7 +165,7 @@ def _lengths(inputs: JudgeInputs) -> jax.Array:
     return jnp.asarray(inputs.kv_lengths_b, jnp.int32)
 
 
-def verdict_logits_at(model: Qwen3VLMoeJudge, final_btd: jax.Array, pos_b: jax.Array, pass_id: int,
+def verdict_logits_at(model: JudgeModel, final_btd: jax.Array, pos_b: jax.Array, pass_id: int,
                       fail_id: int):
     """(logit_pass_b, logit_fail_b, logsumexp_b) from the final hidden state at ``pos_b`` (the
     position whose next token is the verdict): the LM head on B rows, not [B, T, V]."""
@@ -185,7 +182,7 @@ def verdict_probabilities(logit_pass, logit_fail, logsumexp) -> tuple[np.ndarray
     return p_pass, np.clip(1.0 - np.exp(lp - lse) - np.exp(lf - lse), 0.0, 1.0)
 
 
-def slot_logits_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, pass_id: int, fail_id: int):
+def slot_logits_fn(model: JudgeModel, inputs: JudgeInputs, pass_id: int, fail_id: int):
     """(logit_pass_b, logit_fail_b, logsumexp_b) at each row's last prompt position, no cache."""
     out = model.forward_arrays(inputs, logits=False)
     # Right padding: row b's last prompt token sits at lengths_b - 1 (>= 0: rows are never empty).
@@ -193,72 +190,30 @@ def slot_logits_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, pass_id: int, fa
     return verdict_logits_at(model, out.final_hidden_btd, last_b, pass_id, fail_id)
 
 
-def prefill_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, cache_len: int) -> tuple[jax.Array, KVCache]:
-    """Prompt forward that fills a ``cache_len``-slot cache; returns last-position logits [B, V]."""
+def prefill_fn(model: JudgeModel, inputs: JudgeInputs, cache_len: int) -> tuple[jax.Array, DecodeState]:
+    """Prompt forward that fills a ``cache_len``-slot state; returns last-position logits [B, V]."""
     lengths_b = _lengths(inputs)
     out = model.forward_arrays(inputs, logits=False, return_kv=True)
     logits_bv = _head(model, _last_hidden(out.final_hidden_btd, lengths_b))
-    k_lbtkh, v_lbtkh = out.kv_lbtkh
-    t = k_lbtkh.shape[2]
-    if cache_len < t:
-        raise ValueError(f"cache_len={cache_len} is shorter than the prompt bucket {t}")
-    pad = ((0, 0), (0, 0), (0, cache_len - t), (0, 0), (0, 0))
-    k_lbskh = constrain(jnp.pad(k_lbtkh, pad), _CACHE_NAMES)
-    v_lbskh = constrain(jnp.pad(v_lbtkh, pad), _CACHE_NAMES)
     mask_bt = jnp.asarray(inputs.attention_mask_bt) > 0
     pos_3bt = jnp.asarray(inputs.positions_3bt)
     next_pos_b = jnp.max(jnp.where(mask_bt[None], pos_3bt, -1), axis=(0, 2)) + 1
-    return logits_bv, KVCache(k_lbskh, v_lbskh, lengths_b, next_pos_b.astype(jnp.int32))
+    return logits_bv, decode_state.from_prefill(out, cache_len, lengths_b, next_pos_b)
 
 
-def _new_tokens(model: Qwen3VLMoeJudge, cache: KVCache, tokens_bn: jax.Array):
-    """The decoder over ``N`` new text tokens per row after the cached ones.
-
-    Returns the last layer's output ``x_bnd`` (before the final norm) and every layer's new
-    rotated k/v ``[L, B, N, K, Hd]``; the cache itself is not updated here."""
-    cfg, dt, t = model.cfg, model.dtype, model.cfg.text
-    b, n = tokens_bn.shape
-    x_bnd = jnp.take(model.embed_vd[...], tokens_bn, axis=0).astype(dt)
-    x_bnd = constrain(x_bnd, ("batch", "length", "act_embed"))
-    # Text after the cached tokens: position next_pos + i on all three MRoPE axes.
-    pos_bn = cache.next_pos_b[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
-    cos_bnd, sin_bnd = mrope_cos_sin(jnp.broadcast_to(pos_bn[None], (3, b, n)), t.head_dim, t.rope_theta,
-                                     t.mrope_section, dt)
-    write_b = cache.length_b
-    kv_lengths_b = write_b + 1   # what the first new token sees: the cached tokens and itself
-
-    def body(layer, x, kv):
-        return layer.decode(x, cos_bnd, sin_bnd, kv[0], kv[1], write_b, kv_lengths_b)
-
-    new_k, new_v = [], []
-    for (start, end, _), stack in zip(model.segments, model.decoder):
-        # New tokens are text: no image features and no deepstack additions here.
-        xs = (cache.k_lbskh[start:end], cache.v_lbskh[start:end])
-        x_bnd, (k_lbnkh, v_lbnkh) = stack.apply(body, x_bnd, xs, scan=cfg.runtime.scan_layers)
-        new_k.append(k_lbnkh)
-        new_v.append(v_lbnkh)
-    return x_bnd, jnp.concatenate(new_k), jnp.concatenate(new_v)
-
-
-def step_fn(model: Qwen3VLMoeJudge, cache: KVCache, token_b: jax.Array) -> tuple[jax.Array, KVCache]:
+def step_fn(model: JudgeModel, cache: DecodeState, token_b: jax.Array) -> tuple[jax.Array, DecodeState]:
     """Append one token per row; logits [B, V] of the new position."""
-    x_b1d, k_lb1kh, v_lb1kh = _new_tokens(model, cache, token_b[:, None])
-    write_b, b_idx = cache.length_b, jnp.arange(token_b.shape[0])
-    k_lbkh = k_lb1kh[:, :, 0].astype(cache.k_lbskh.dtype)
-    v_lbkh = v_lb1kh[:, :, 0].astype(cache.v_lbskh.dtype)
-    k_lbskh = constrain(cache.k_lbskh.at[:, b_idx, write_b].set(k_lbkh), _CACHE_NAMES)
-    v_lbskh = constrain(cache.v_lbskh.at[:, b_idx, write_b].set(v_lbkh), _CACHE_NAMES)
+    x_b1d, new = model.decode_tokens(cache, token_b[:, None])
     logits_bv = _head(model, model.final_norm(x_b1d)[:, 0])
-    return logits_bv, KVCache(k_lbskh, v_lbskh, write_b + 1, cache.next_pos_b + 1)
+    return logits_bv, decode_state.write_one(cache, new)
 
 
-def _cache_rows(cache: KVCache, rows_b: jax.Array) -> KVCache:
-    """Row ``b`` of the result is row ``rows_b[b]`` of ``cache`` (one shared prefix, many rows)."""
-    return KVCache(cache.k_lbskh[:, rows_b], cache.v_lbskh[:, rows_b], cache.length_b[rows_b],
-                   cache.next_pos_b[rows_b])
+def _valid(tokens_bn: jax.Array, n_b: jax.Array) -> jax.Array:
+    """[B, N] True at each row's own tokens (the first ``n_b``), False at its right padding."""
+    return jnp.arange(tokens_bn.shape[1], dtype=jnp.int32)[None, :] < jnp.asarray(n_b)[:, None]
 
 
-def extend_slot_logits_fn(model: Qwen3VLMoeJudge, cache: KVCache, rows_b: jax.Array, tokens_bn: jax.Array,
+def extend_slot_logits_fn(model: JudgeModel, cache: DecodeState, rows_b: jax.Array, tokens_bn: jax.Array,
                           n_b: jax.Array, pass_id: int, fail_id: int):
     """Shared-prefix P(pass): slot logits of prompts that continue cached prefixes.
 
@@ -266,8 +221,8 @@ def extend_slot_logits_fn(model: Qwen3VLMoeJudge, cache: KVCache, rows_b: jax.Ar
     share it, e.g. a GRPO group's responses to one prompt) with its own ``n_b[b]`` suffix tokens
     (right-padded in ``tokens_bn``), which end at its verdict slot. Returns (logit_pass_b,
     logit_fail_b, logsumexp_b) there, as ``slot_logits_fn`` does for the whole prompt."""
-    cache = _cache_rows(cache, rows_b)
-    x_bnd, _, _ = _new_tokens(model, cache, tokens_bn)
+    cache = decode_state.take_rows(cache, rows_b)
+    x_bnd, _ = model.decode_tokens(cache, tokens_bn, _valid(tokens_bn, n_b))
     logits_bv = _head(model, model.final_norm(_last_hidden(x_bnd, n_b)))
     return logits_bv[:, pass_id], logits_bv[:, fail_id], jax.nn.logsumexp(logits_bv, axis=-1)
 
@@ -310,7 +265,7 @@ def _check_slot(g: _Loop, logits_bv: jax.Array, spec: DecodeSpec, full_state: in
         force_len_b=jnp.where(inject_b, verdict_len_b, g.force_len_b))
 
 
-def generate_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, table_sv: jax.Array, match0_b: jax.Array,
+def generate_fn(model: JudgeModel, inputs: JudgeInputs, table_sv: jax.Array, match0_b: jax.Array,
                 force_bf: jax.Array, force_len_b: jax.Array, live_b: jax.Array, stop_at_slot: jax.Array,
                 spec: DecodeSpec) -> Generation:
     """Prefill, then greedy decoding with slot detection and forcing, in one traced function.
@@ -321,28 +276,22 @@ def generate_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, table_sv: jax.Array
                         spec)
 
 
-def generate_shared_fn(model: Qwen3VLMoeJudge, cache: KVCache, rows_b: jax.Array, tokens_bn: jax.Array,
+def generate_shared_fn(model: JudgeModel, cache: DecodeState, rows_b: jax.Array, tokens_bn: jax.Array,
                        n_b: jax.Array, table_sv: jax.Array, match0_b: jax.Array, force_bf: jax.Array,
                        force_len_b: jax.Array, live_b: jax.Array, spec: DecodeSpec) -> Generation:
     """``generate_fn`` for prompts that continue cached prefixes (see ``extend_slot_logits_fn``):
     each row's suffix is run against its prefix row and written into a copy of that row, then
     decoding proceeds exactly as after a full prefill. The cache needs ``N + max_new_tokens``
     free slots per row."""
-    cache = _cache_rows(cache, rows_b)
-    x_bnd, k_lbnkh, v_lbnkh = _new_tokens(model, cache, tokens_bn)
-    write = jax.vmap(jax.vmap(lambda c_skh, u_nkh, i: jax.lax.dynamic_update_slice_in_dim(c_skh, u_nkh, i, 0),
-                              in_axes=(0, 0, 0)), in_axes=(0, 0, None))
-    k_lbskh = constrain(write(cache.k_lbskh, k_lbnkh.astype(cache.k_lbskh.dtype), cache.length_b), _CACHE_NAMES)
-    v_lbskh = constrain(write(cache.v_lbskh, v_lbnkh.astype(cache.v_lbskh.dtype), cache.length_b), _CACHE_NAMES)
-    # Padding past a row's suffix was written too; it lies beyond the new length, so the first
-    # decode step overwrites it before any query can see it.
-    cache = KVCache(k_lbskh, v_lbskh, cache.length_b + n_b, cache.next_pos_b + n_b)
+    cache = decode_state.take_rows(cache, rows_b)
+    x_bnd, new = model.decode_tokens(cache, tokens_bn, _valid(tokens_bn, n_b))
+    cache = decode_state.write_many(cache, new, n_b)
     logits_bv = _head(model, model.final_norm(_last_hidden(x_bnd, n_b)))
     return _decode_loop(model, logits_bv, cache, table_sv, match0_b, force_bf, force_len_b, live_b,
                         jnp.asarray(False), spec)
 
 
-def _decode_loop(model: Qwen3VLMoeJudge, logits_bv: jax.Array, cache: KVCache, table_sv: jax.Array,
+def _decode_loop(model: JudgeModel, logits_bv: jax.Array, cache: DecodeState, table_sv: jax.Array,
                  match0_b: jax.Array, force_bf: jax.Array, force_len_b: jax.Array, live_b: jax.Array,
                  stop_at_slot: jax.Array, spec: DecodeSpec) -> Generation:
     """Greedy decoding from the logits of each row's last prompt position and its cache."""
@@ -406,7 +355,7 @@ class TextGeneration:
     top_logprob_bnk: jax.Array
 
 
-def sample_text_fn(model: Qwen3VLMoeJudge, inputs: JudgeInputs, temperature_b: jax.Array, budget_b: jax.Array,
+def sample_text_fn(model: JudgeModel, inputs: JudgeInputs, temperature_b: jax.Array, budget_b: jax.Array,
                    live_b: jax.Array, key: jax.Array, spec: TextSpec) -> TextGeneration:
     """Prefill, then one token per step: argmax where ``temperature_b == 0``, else a sample of
     softmax(logits / T). Log-probabilities are the model's own distribution (T = 1), as OpenAI-
@@ -497,7 +446,7 @@ def _jit_sample_text(graph: StaticGraph, state, inputs, temperature_b, budget_b,
 class Decoder:
     """The judge split once, with jitted prefill / step / generate (run under the model's mesh)."""
 
-    def __init__(self, model: Qwen3VLMoeJudge, mesh=None):
+    def __init__(self, model: JudgeModel, mesh=None):
         graphdef, self.state = nnx.split(model)
         self.graph = StaticGraph.of(graphdef)
         self.cfg = model.cfg
@@ -512,17 +461,17 @@ class Decoder:
     def slot_logits(self, inputs: JudgeInputs, pass_id: int, fail_id: int):
         return self._run(lambda gd, st, x: _jit_slot_logits(gd, st, x, int(pass_id), int(fail_id)), inputs)
 
-    def prefill(self, inputs: JudgeInputs, cache_len: int) -> tuple[jax.Array, KVCache]:
+    def prefill(self, inputs: JudgeInputs, cache_len: int) -> tuple[jax.Array, DecodeState]:
         return self._run(lambda gd, st, x: _jit_prefill(gd, st, x, int(cache_len)), inputs)
 
-    def extend_slot_logits(self, cache: KVCache, rows_b, tokens_bn, n_b, pass_id: int, fail_id: int):
+    def extend_slot_logits(self, cache: DecodeState, rows_b, tokens_bn, n_b, pass_id: int, fail_id: int):
         """Slot logits after each row's suffix, continuing cache row ``rows_b`` (not donated: one
         prefix cache serves several suffix batches). The cache needs ``n`` free slots per row."""
         args = tuple(np.asarray(a, np.int32) for a in (rows_b, tokens_bn, n_b))
         return self._run(lambda gd, st, c, *a: _jit_extend_slot_logits(gd, st, c, *a, int(pass_id), int(fail_id)),
                          cache, *args)
 
-    def step(self, cache: KVCache, token_b) -> tuple[jax.Array, KVCache]:
+    def step(self, cache: DecodeState, token_b) -> tuple[jax.Array, DecodeState]:
         """One decode step. The cache is donated: use the returned one."""
         return self._run(_jit_step, cache, jnp.asarray(token_b, jnp.int32))
 
@@ -539,7 +488,7 @@ class Decoder:
                 np.asarray(stop_at_slot, bool))
         return self._run(lambda gd, st, *a: _jit_generate(gd, st, *a, spec), *args)
 
-    def generate_shared(self, cache: KVCache, rows_b, tokens_bn, n_b, spec: DecodeSpec, table_sv, match0_b,
+    def generate_shared(self, cache: DecodeState, rows_b, tokens_bn, n_b, spec: DecodeSpec, table_sv, match0_b,
                         force_bf=None, force_len_b=None, live_b=None) -> Generation:
         """``generate`` for suffixes continuing prefix cache rows ``rows_b`` (``Decoder.prefill``
         with ``cache_len >= prefix bucket + suffix width + max_new_tokens``)."""

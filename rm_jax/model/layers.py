@@ -1,14 +1,14 @@
-"""Building blocks of the Qwen3-VL-MoE text decoder: params, norms, rotary/MRoPE, attention, MLP,
-and the layer stack that scans homogeneous runs of layers.
+"""Building blocks shared by the text decoders: params, norms, rotary/MRoPE, attention, MLP
+(the layer stack is ``rm_jax.model.layer_stack``).
 
 Design choices:
 
 * **Params carry logical axis names** (``out_sharding`` metadata, mapped by ``rm_jax.sharding``'s
-  one rules table). Modules are built without a mesh (``eager_sharding=False``); ``judge.load``
+  one rules table). Modules are built without a mesh (``eager_sharding=False``); ``convert.load_hf``
   places every array with the sharding its names ask for, so model code never mentions mesh axes.
 * **Weights are stored in ``x @ W`` orientation with heads split out** (``wq_dnh`` = [D, N, Hd]):
   no reshapes in the hot path, and the head axis is directly shardable over ``tensor``. The HF
-  ``[out, in]`` Linear layout is handled once, in ``hf.py``.
+  ``[out, in]`` Linear layout is handled once, in the key tables (``<arch>/params.py``).
 * **Interleaved MRoPE** follows transformers' ``Qwen3VLMoeTextRotaryEmbedding`` exactly: the
   frequency slot ``j`` of the half head-dim takes its angle from the temporal position, except
   slots ``1, 4, 7, ...`` (< 3*section[1]) take the height position and ``2, 5, 8, ...``
@@ -24,16 +24,11 @@ Design choices:
   block i], so the masked upper triangle (about half the work) is skipped. Results equal
   ``dot_product_attention`` to fp32 rounding (tests/test_attention.py). ``attention="xla"``
   keeps the library call on CPU too.
-* **Layer stacks.** ``LayerStack`` holds ``n`` structurally identical layers as one module whose
-  params have a leading layer axis (logical name ``None``: layers are never sharded). It applies
-  them with ``jax.lax.scan`` over ``nnx.merge``-d slices, so compile time is flat in depth, and
-  wraps the body in ``jax.checkpoint`` with a configurable policy. With ``scan=False`` it unrolls
-  the same params in a Python loop (same checkpoint layout either way).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import flax.struct
 import jax
@@ -342,63 +337,6 @@ def causal_padding_mask(attention_mask_bt: jax.Array) -> jax.Array:
     t = attention_mask_bt.shape[1]
     causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
     return causal_ts[None, None] & attention_mask_bt.astype(jnp.bool_)[:, None, None, :]
-
-
-# ---------------------------------------------------------------------------------------------
-# Layer stacks (scan over homogeneous runs)
-# ---------------------------------------------------------------------------------------------
-
-REMAT_POLICIES: dict[str, Any] = {
-    "full": None,  # save nothing: recompute the whole layer in the backward pass
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def _prepend_layer_axis(var: nnx.Variable) -> nnx.Variable:
-    names = var.get_metadata().get("out_sharding")
-    if names:
-        var.set_metadata(out_sharding=(None, *names))
-    return var
-
-
-class LayerStack(nnx.Module):
-    """``n`` identical layers stored stacked; applied by ``lax.scan`` (or a loop)."""
-
-    def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, *, rngs: nnx.Rngs):
-        layers = [make_layer(rngs) for _ in range(n)]
-        graphdef, first = nnx.split(layers[0])
-        states = [first] + [nnx.split(layer)[1] for layer in layers[1:]]
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-        stacked = jax.tree.map(_prepend_layer_axis, stacked, is_leaf=lambda v: isinstance(v, nnx.Variable))
-        self.n = n
-        self.layers = nnx.merge(graphdef, stacked)
-
-    def apply(self, body: Callable, carry, xs=None, *, scan: bool = True, remat: str = "none"):
-        """``body(layer, carry, x) -> (carry, y)`` over the stacked layers, like ``lax.scan``.
-
-        ``xs`` is an optional pytree with a leading layer axis. Returns ``(carry, ys)`` with ys
-        stacked on a leading layer axis (or None when body returns None).
-        """
-        graphdef, state = nnx.split(self.layers)
-
-        def step(carry, inputs):
-            layer_state, x = inputs
-            return body(nnx.merge(graphdef, layer_state), carry, x)
-
-        if remat != "none":
-            if remat not in REMAT_POLICIES:
-                raise ValueError(f"remat={remat!r}; expected 'none' or one of {sorted(REMAT_POLICIES)}")
-            step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
-        if scan and self.n > 1:
-            return jax.lax.scan(step, carry, (state, xs))
-        ys = []
-        for i in range(self.n):
-            sl = jax.tree.map(lambda a: a[i], (state, xs))
-            carry, y = step(carry, sl)
-            ys.append(y)
-        ys = None if ys[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys)
-        return carry, ys
 
 
 # ---------------------------------------------------------------------------------------------

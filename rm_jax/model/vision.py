@@ -22,7 +22,7 @@ Design choices:
   position-table indices are generated in that same order (``_block_order_rows_cols``).
 * **Deepstack**: the outputs of blocks ``deepstack_visual_indexes`` go through their own mergers
   (norm after the 2x2 shuffle) and are added to the first decoder layers' hidden states at image
-  positions (``judge.py``). The blocks are scanned in runs that end at those indexes.
+  positions (``qwen3_vl_moe/model.py``). The blocks are scanned in runs that end at those indexes.
 * **Activations**: ``gelu_pytorch_tanh`` in the blocks (``approximate=True``), exact GELU in the
   mergers (``nn.GELU()``), LayerNorm eps 1e-6, rotary applied in fp32 -- all as transformers.
 """
@@ -37,8 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rm_jax.model.config import VisionConfig
-from rm_jax.model.layers import (LayerNorm, LayerStack, key_length_attention, normal, param, rope_inv_freq,
+from rm_jax.model.vision_config import VisionConfig
+from rm_jax.model.layer_stack import LayerStack
+from rm_jax.model.layers import (LayerNorm, key_length_attention, normal, param, rope_inv_freq,
                                  rotate_half)
 from rm_jax.sharding import constrain
 

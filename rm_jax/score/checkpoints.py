@@ -2,7 +2,7 @@
 
 * **The model comes from the run's own manifest.** ``W/manifest.json`` holds the full run config;
   ``train.loop.model_config`` turns it into the ``ModelConfig`` the trainer used, and
-  ``judge.abstract_model`` gives the module tree without allocating anything.
+  ``registry.abstract_model`` gives the module tree without allocating anything.
 * **Only the params are read.** Training checkpoints hold ``state`` (a ``TrainState``: step, params,
   optimizer state -- twice the params again for Adam) and ``data`` (the Grain iterator). Scoring
   needs the params only, so the ``state`` item is restored with Orbax's partial restore into an
@@ -26,9 +26,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from rm_jax.model.config import ModelConfig
-from rm_jax.model.hf import param_shardings
-from rm_jax.model.judge import Qwen3VLMoeJudge, abstract_model
+from rm_jax.model.interface import JudgeModel
+from rm_jax.model.placement import param_shardings
+from rm_jax.model.registry import abstract_model
 
 
 def read_run_config(workdir: str) -> ml_collections.ConfigDict:
@@ -86,7 +86,7 @@ def scoring_mesh(cfg):
 
 
 def load_judge(workdir: str, step: int | None = None, *, mesh=None
-               ) -> tuple[Qwen3VLMoeJudge, ModelConfig, int]:
+               ) -> tuple[JudgeModel, object, int]:
     """Restore a training checkpoint's params into a (sharded) judge. ``mesh`` defaults to the
     run's mesh config over the devices present (``scoring_mesh``)."""
     from rm_jax.train.loop import model_config

@@ -66,7 +66,8 @@ from rm_jax.data import target as target_lib
 from rm_jax.data.render import JudgeInput, Renderer
 from rm_jax.data.schema import Sample, render_error
 from rm_jax.model.decode import SLOT_PATTERN, DecodeSpec, Decoder, slot_automaton, verdict_probabilities
-from rm_jax.model.judge import JudgeInputs, Qwen3VLMoeJudge, prepare_inputs
+from rm_jax.model.interface import JudgeInputs, JudgeModel
+from rm_jax.model.registry import prepare_inputs
 from rm_jax.sharding import logical_to_spec
 
 
@@ -140,7 +141,7 @@ def _in_flight(calls, depth: int = 2):
 
 
 class Scorer:
-    def __init__(self, model: Qwen3VLMoeJudge, renderer: Renderer, *, field_order: Sequence[str] | None = None,
+    def __init__(self, model: JudgeModel, renderer: Renderer, *, field_order: Sequence[str] | None = None,
                  buckets: Sequence[int], batch_size: int, max_new_tokens: int = 128, mesh=None,
                  progress: bool | None = None, share_prefix: bool = True, min_shared_tokens: int = 32,
                  frame_capacity: int | None = None):

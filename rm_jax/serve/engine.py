@@ -24,7 +24,7 @@ from rm_jax.data import loader as loader_lib
 from rm_jax.data import target as target_lib
 from rm_jax.data.schema import Sample, SampleError
 from rm_jax.model.decode import TextGeneration, TextSpec
-from rm_jax.model.judge import prepare_inputs
+from rm_jax.model.registry import prepare_inputs
 from rm_jax.score.reward import RewardSettings
 
 KIND_FULL, KIND_P_PASS, KIND_CHAT = "score_full", "score_p_pass", "chat"

@@ -37,8 +37,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rm_jax.data import loader as loader_lib
-from rm_jax.model import judge as judge_lib
-from rm_jax.model.config import ModelConfig, RuntimeOptions
+from rm_jax.model import registry
+from rm_jax.model.config import RuntimeOptions
 from rm_jax.model.decode import verdict_probabilities
 from rm_jax.sharding import describe_devices, make_mesh
 from rm_jax.train import distributed, optim
@@ -66,8 +66,9 @@ def plan_run(train_cfg, stream_len: int) -> RunPlan:
     return RunPlan(total_steps=steps, micro_batch=gb // acc, accumulation=acc, steps_per_epoch=per_epoch)
 
 
-def model_config(cfg) -> ModelConfig:
-    """The typed model config of a run; the run-time choices are validated here, once, by name."""
+def model_config(cfg):
+    """The typed model config of a run (its architecture by ``model.model_type``); the run-time
+    choices are validated here, once, by name."""
     from rm_jax.model.layers import ATTENTION_IMPLS
     from rm_jax.model.moe import BACKENDS, RAGGED_DOT_IMPLS
     t = cfg.train
@@ -80,15 +81,15 @@ def model_config(cfg) -> ModelConfig:
     runtime = RuntimeOptions(dtype=t.dtype, param_dtype=t.param_dtype, remat=t.remat,
                              scan_layers=bool(t.scan_layers), moe_backend=cfg.moe.backend,
                              ragged_dot=cfg.moe.get("ragged_dot", "auto"), attention=t.get("attention", "auto"))
-    return ModelConfig.from_hf_dict(cfg.model.to_dict(), runtime)
+    return registry.config_from_hf_dict(cfg.model.to_dict(), runtime)
 
 
 def adopt_init_config(cfg) -> None:
     """With ``train.init_from``, the checkpoint's architecture is the run's: its config.json
     replaces ``cfg.model``, so the mesh check, the manifest and everything that rebuilds the
     model from the manifest (score, sweep, export) see the sizes that were trained."""
-    from rm_jax.model import hf
-    loaded = hf.read_config(cfg.train.init_from)
+    from rm_jax.model import convert
+    loaded = convert.read_config(cfg.train.init_from)
     with cfg.unlocked():
         cfg.model = ml_collections.ConfigDict(loaded.to_hf_dict())
 
@@ -98,15 +99,16 @@ def build_model(cfg, mesh):
 
     Call it outside `jax.set_mesh`: parameters are created unsharded and then placed by their
     logical names through rm_jax.sharding's rules (which never map one mesh axis twice)."""
-    from rm_jax.model import hf
+    from rm_jax.model import convert
+    from rm_jax.model.placement import param_shardings
     mcfg = model_config(cfg)
     if cfg.train.init_from:
-        model, mcfg = hf.load_hf(cfg.train.init_from, dtype=cfg.train.param_dtype, mesh=mesh,
+        model, mcfg = convert.load_hf(cfg.train.init_from, dtype=cfg.train.param_dtype, mesh=mesh,
                                  runtime=mcfg.runtime, expert_layout=cfg.train.get("init_expert_layout") or None)
         return model, mcfg
-    model = judge_lib.init_model(mcfg, seed=int(cfg.seed))
+    model = registry.init_model(mcfg, seed=int(cfg.seed))
     state = nnx.state(model)
-    shardings = hf.param_shardings(state, mesh)
+    shardings = param_shardings(state, mesh)
     nnx.update(model, jax.tree.map(lambda v, s: jax.device_put(v, s.get_value() if hasattr(s, "get_value") else s),
                                    state, shardings))
     model.mesh = mesh
@@ -132,7 +134,7 @@ class TokenWeights:
     image_token_id: int = -1
 
     @classmethod
-    def from_config(cls, cfg, mcfg: ModelConfig) -> "TokenWeights":
+    def from_config(cls, cfg, mcfg) -> "TokenWeights":
         t = cfg.train
         weight, n = float(t.get("context_lm_weight", 0.0)), int(t.get("context_lm_tokens", 0))
         if weight and n <= 0:
@@ -149,7 +151,7 @@ class HostBatch:
     n_fail: int           # the oversampling ratio, visible in the stream itself
 
 
-def frame_capacity(cfg, mcfg: ModelConfig) -> int:
+def frame_capacity(cfg, mcfg) -> int:
     """Patches per vision frame slot: the image budget's largest image (one static shape)."""
     from rm_jax.data.images import ImageBudget
     return ImageBudget.from_config(cfg.data.image).max_patches(mcfg.vision.patch_size, mcfg.vision.spatial_merge_size)
@@ -190,12 +192,12 @@ def context_mask(b: dict, n_tokens: int, image_token_id: int, passing_only: bool
     return mask.astype(np.float32)
 
 
-def assemble(mcfg: ModelConfig, micro: list[dict], frame_capacity: int,
+def assemble(mcfg, micro: list[dict], frame_capacity: int,
              weights: TokenWeights = TokenWeights()) -> HostBatch:
     """Loader batches (numpy) -> one StepBatch with a leading accumulation axis."""
     # The loader right-pads, so attention takes per-row key lengths (cuDNN flash on GPU) instead
     # of a [B, T, T] mask; an all-padding row gets length 1 so its softmax stays finite.
-    prepared = [judge_lib.prepare_inputs(mcfg, b["input_ids"], b["attention_mask"], b["pixel_values"],
+    prepared = [registry.prepare_inputs(mcfg, b["input_ids"], b["attention_mask"], b["pixel_values"],
                                          b["image_grid_thw"], attention="lengths", frame_capacity=frame_capacity)
                 for b in micro]
     if jax.process_count() > 1:
@@ -249,7 +251,7 @@ def gather_images(b: dict, merge: int) -> tuple[np.ndarray, np.ndarray, int]:
     return out_pix, out_grid, offset
 
 
-def _with_global_images(mcfg: ModelConfig, prepared, b: dict, frame_capacity: int):
+def _with_global_images(mcfg, prepared, b: dict, frame_capacity: int):
     """This process's token arrays, with the whole microbatch's (replicated) vision inputs."""
     from rm_jax.model.vision import vision_inputs
     pix, grid, offset = gather_images(b, mcfg.vision.spatial_merge_size)

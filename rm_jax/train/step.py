@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rm_jax.model.decode import verdict_logits_at
-from rm_jax.model.judge import JudgeInputs, Qwen3VLMoeJudge
+from rm_jax.model.interface import JudgeInputs, JudgeModel
 from rm_jax.sharding import logical_to_spec
 from rm_jax.train.loss import LossConfig, target_cross_entropy
 
@@ -72,7 +72,7 @@ class StepConfig:
 class StepBuilder:
     """Splits the model once and builds the jitted train / eval steps for one run."""
 
-    def __init__(self, model: Qwen3VLMoeJudge, optimizer: optax.GradientTransformation, cfg: StepConfig,
+    def __init__(self, model: JudgeModel, optimizer: optax.GradientTransformation, cfg: StepConfig,
                  mesh, schedule=None):
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.optimizer, self.cfg, self.mesh, self.schedule = optimizer, cfg, mesh, schedule

@@ -1,26 +1,26 @@
-"""transformers checkpoint <-> rm_jax params: one declarative table plus per-key transforms.
+"""transformers checkpoint <-> rm_jax params: the engine that applies a per-architecture key table.
 
 Design choices:
 
-* **One table** (``RULES``) lists every HF key pattern with the rm_jax param path(s) it fills and the
-  transform between them. Loading reads the table forwards, export backwards; nothing else knows
-  the HF names. ``{i}`` is a decoder layer / vision block index and ``{j}`` a deepstack merger;
-  ``judge.layer_segments``/``vision.vision_segments`` place index ``i`` into its scanned stack.
+* **One table per architecture** (``rm_jax.model.<arch>.params``: ``RULES`` + ``key_table(cfg)``)
+  lists every HF key pattern with the rm_jax param path(s) it fills and the transform between
+  them. This module applies it: loading reads it forwards, export backwards; nothing else knows
+  the HF names. The architecture comes from config.json's ``model_type``
+  (``rm_jax.model.registry``); a text-layer rule can be limited to layers of one ``LayerSpec``
+  kind (``has_moe``, ``has_attention``, ...).
 * **Transforms are pairs of pure numpy functions** (HF -> ours, ours -> HF) and exact inverses of
   each other (transposes and reshapes only), so HF -> rm_jax -> HF reproduces every tensor bit for
   bit in the checkpoint's dtype.
-* **Fused expert tensors** come in two on-disk layouts: published Qwen3-VL-MoE checkpoints store
+* **Fused expert tensors** come in two on-disk layouts: published checkpoints store
   ``gate_up_proj`` as ``[E, H, 2I]`` and ``down_proj`` as ``[E, I, H]`` ("in_out"); recent
   transformers' ``save_pretrained`` writes ``[E, 2I, H]`` / ``[E, H, I]`` ("out_in"). The layout is
   read off each tensor's shape; when ``H == 2I`` (or ``H == I`` for down_proj) the shape cannot tell
   them apart and loading stops unless ``expert_layout=`` names it. Guessing there would silently
   load transposed experts that still produce plausible-looking text.
-* **Memory.** We parse safetensors headers ourselves and memory-map one file at a time (bf16 via
-  ml_dtypes, no torch). Each tensor is transformed on the host and put straight onto its target
-  sharding; stacked (scanned) params are allocated sharded and filled layer by layer with a
-  donated ``dynamic_update_index_in_dim``, so no device ever holds the whole model.
-* **Only safetensors are read.** Pickle ``.bin``/``.pt`` checkpoints execute code on load; we
-  refuse them and name the file.
+* **Memory.** Each tensor (from a memory-mapped safetensors file: ``safetensors_io``) is
+  transformed on the host and put straight onto its target sharding; stacked (scanned) params are
+  allocated sharded and filled layer by layer with a donated ``dynamic_update_index_in_dim``, so
+  no device ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -28,11 +28,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import re
-import struct
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,14 +39,14 @@ from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rm_jax.model.config import ConfigError, ModelConfig, RuntimeOptions
-from rm_jax.model.judge import Qwen3VLMoeJudge, abstract_model, layer_segments
-from rm_jax.model.vision import vision_segments
-from rm_jax.sharding import logical_to_spec
+from rm_jax.model.config import ConfigError, RuntimeOptions
+from rm_jax.model.layer_stack import LayerGroup, LayerSpec
+from rm_jax.model.placement import param_shardings
+from rm_jax.model.safetensors_io import (_ST_DTYPES, CheckpointError, SafetensorsFile, checkpoint_files,
+                                         write_safetensors)
 
-
-class CheckpointError(ValueError):
-    """A checkpoint we cannot (or must not) load; the message names the file and key."""
+if TYPE_CHECKING:
+    from rm_jax.model.interface import JudgeModel
 
 
 EXPERT_LAYOUTS = {"in_out": "in_out", "published": "in_out", "out_in": "out_in", "transformers": "out_in"}
@@ -71,37 +68,6 @@ def _t(fwd, inv) -> Transform:
 
 IDENT = _t(lambda w, c, x: (w,), lambda o, c, x: o[0])
 TRANSPOSE = _t(lambda w, c, x: (w.T,), lambda o, c, x: o[0].T)
-# Linear [n*h, D] -> [D, n, h] (q/k/v) and back.
-Q_HEADS = _t(lambda w, c, x: (w.T.reshape(w.shape[1], c.text.num_attention_heads, c.text.head_dim),),
-             lambda o, c, x: o[0].reshape(o[0].shape[0], -1).T)
-KV_HEADS = _t(lambda w, c, x: (w.T.reshape(w.shape[1], c.text.num_key_value_heads, c.text.head_dim),),
-              lambda o, c, x: o[0].reshape(o[0].shape[0], -1).T)
-# Linear [D, n*h] -> [n, h, D] (o_proj) and back.
-O_HEADS = _t(lambda w, c, x: (w.T.reshape(c.text.num_attention_heads, c.text.head_dim, w.shape[0]),),
-             lambda o, c, x: o[0].reshape(-1, o[0].shape[-1]).T)
-VIS_O_HEADS = _t(lambda w, c, x: (w.T.reshape(c.vision.num_heads, c.vision.head_dim, w.shape[0]),),
-                 lambda o, c, x: o[0].reshape(-1, o[0].shape[-1]).T)
-# Conv3d weight [D, C, T, P, P] with stride == kernel -> matmul weight [C*T*P*P, D].
-PATCH_CONV = _t(lambda w, c, x: (w.reshape(w.shape[0], -1).T,),
-                lambda o, c, x: o[0].T.reshape(c.vision.hidden_size, c.vision.in_channels,
-                                               c.vision.temporal_patch_size, c.vision.patch_size,
-                                               c.vision.patch_size))
-
-
-def _qkv_split(w, c, x):
-    # qkv.weight [3*D, D]: rows are (which of q/k/v, head, head_dim), as HF's reshape(N, 3, heads, -1).
-    v = c.vision
-    w = w.reshape(3, v.num_heads, v.head_dim, w.shape[-1])
-    return tuple(np.transpose(w[k], (2, 0, 1)) for k in range(3))
-
-
-def _qkv_join(o, c, x):
-    return np.concatenate([np.transpose(a, (1, 2, 0)).reshape(-1, a.shape[0]) for a in o], axis=0)
-
-
-QKV_W = _t(_qkv_split, _qkv_join)
-QKV_B = _t(lambda w, c, x: tuple(w.reshape(3, c.vision.num_heads, c.vision.head_dim)),
-           lambda o, c, x: np.concatenate([a.reshape(-1) for a in o]))
 
 
 def _experts_layout(name: str, shape, h: int, i_dim: int, ctx) -> str:
@@ -156,7 +122,7 @@ EXPERTS_DOWN = _t(_down_fwd, _down_inv)
 
 
 # ---------------------------------------------------------------------------------------------
-# The table
+# Rules and their expansion over one model's layers
 # ---------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -164,52 +130,25 @@ class Rule:
     hf: str                    # HF key; {i} = layer/block index, {j} = deepstack merger index
     ours: tuple[str, ...]      # our param path(s) within the scope, dotted
     transform: Transform
-    scope: str                 # global | text_layer | text_sparse | text_dense | vision_block | deepstack
+    scope: str                 # global | text_layer | vision_block | deepstack
+    # text_layer only: which decoder layers have this key, by their LayerSpec (None: all).
+    layers: Callable[[LayerSpec], bool] | None = None
 
 
-_T = "model.language_model."
-_V = "model.visual."
-_MERGER = (("norm.weight", "norm.weight", IDENT), ("norm.bias", "norm.bias", IDENT),
-           ("linear_fc1.weight", "fc1.w", TRANSPOSE), ("linear_fc1.bias", "fc1.b", IDENT),
-           ("linear_fc2.weight", "fc2.w", TRANSPOSE), ("linear_fc2.bias", "fc2.b", IDENT))
+def has_moe(spec: LayerSpec) -> bool:
+    return spec.ffn == "moe"
 
-RULES: tuple[Rule, ...] = (
-    Rule(_T + "embed_tokens.weight", ("embed_vd",), IDENT, "global"),
-    Rule(_T + "norm.weight", ("final_norm.weight",), IDENT, "global"),
-    Rule("lm_head.weight", ("lm_head_dv",), TRANSPOSE, "global"),
-    Rule(_T + "layers.{i}.input_layernorm.weight", ("input_norm.weight",), IDENT, "text_layer"),
-    Rule(_T + "layers.{i}.post_attention_layernorm.weight", ("post_norm.weight",), IDENT, "text_layer"),
-    Rule(_T + "layers.{i}.self_attn.q_proj.weight", ("attn.wq_dnh",), Q_HEADS, "text_layer"),
-    Rule(_T + "layers.{i}.self_attn.k_proj.weight", ("attn.wk_dkh",), KV_HEADS, "text_layer"),
-    Rule(_T + "layers.{i}.self_attn.v_proj.weight", ("attn.wv_dkh",), KV_HEADS, "text_layer"),
-    Rule(_T + "layers.{i}.self_attn.o_proj.weight", ("attn.wo_nhd",), O_HEADS, "text_layer"),
-    Rule(_T + "layers.{i}.self_attn.q_norm.weight", ("attn.q_norm.weight",), IDENT, "text_layer"),
-    Rule(_T + "layers.{i}.self_attn.k_norm.weight", ("attn.k_norm.weight",), IDENT, "text_layer"),
-    Rule(_T + "layers.{i}.mlp.gate.weight", ("mlp.router_de",), TRANSPOSE, "text_sparse"),
-    Rule(_T + "layers.{i}.mlp.experts.gate_up_proj", ("mlp.wi_gate_edf", "mlp.wi_up_edf"),
-         EXPERTS_GATE_UP, "text_sparse"),
-    Rule(_T + "layers.{i}.mlp.experts.down_proj", ("mlp.wo_efd",), EXPERTS_DOWN, "text_sparse"),
-    Rule(_T + "layers.{i}.mlp.gate_proj.weight", ("mlp.wi_gate_df",), TRANSPOSE, "text_dense"),
-    Rule(_T + "layers.{i}.mlp.up_proj.weight", ("mlp.wi_up_df",), TRANSPOSE, "text_dense"),
-    Rule(_T + "layers.{i}.mlp.down_proj.weight", ("mlp.wo_fd",), TRANSPOSE, "text_dense"),
-    Rule(_V + "patch_embed.proj.weight", ("vision.patch_w_pd",), PATCH_CONV, "global"),
-    Rule(_V + "patch_embed.proj.bias", ("vision.patch_b_d",), IDENT, "global"),
-    Rule(_V + "pos_embed.weight", ("vision.pos_embed_pd",), IDENT, "global"),
-    Rule(_V + "blocks.{i}.norm1.weight", ("norm1.weight",), IDENT, "vision_block"),
-    Rule(_V + "blocks.{i}.norm1.bias", ("norm1.bias",), IDENT, "vision_block"),
-    Rule(_V + "blocks.{i}.norm2.weight", ("norm2.weight",), IDENT, "vision_block"),
-    Rule(_V + "blocks.{i}.norm2.bias", ("norm2.bias",), IDENT, "vision_block"),
-    Rule(_V + "blocks.{i}.attn.qkv.weight", ("attn.wq_dnh", "attn.wk_dnh", "attn.wv_dnh"), QKV_W, "vision_block"),
-    Rule(_V + "blocks.{i}.attn.qkv.bias", ("attn.bq_nh", "attn.bk_nh", "attn.bv_nh"), QKV_B, "vision_block"),
-    Rule(_V + "blocks.{i}.attn.proj.weight", ("attn.wo_nhd",), VIS_O_HEADS, "vision_block"),
-    Rule(_V + "blocks.{i}.attn.proj.bias", ("attn.bo_d",), IDENT, "vision_block"),
-    Rule(_V + "blocks.{i}.mlp.linear_fc1.weight", ("fc1.w",), TRANSPOSE, "vision_block"),
-    Rule(_V + "blocks.{i}.mlp.linear_fc1.bias", ("fc1.b",), IDENT, "vision_block"),
-    Rule(_V + "blocks.{i}.mlp.linear_fc2.weight", ("fc2.w",), TRANSPOSE, "vision_block"),
-    Rule(_V + "blocks.{i}.mlp.linear_fc2.bias", ("fc2.b",), IDENT, "vision_block"),
-    *(Rule(_V + "merger." + k, ("vision.merger." + o,), t, "global") for k, o, t in _MERGER),
-    *(Rule(_V + "deepstack_merger_list.{j}." + k, (o,), t, "deepstack") for k, o, t in _MERGER),
-)
+
+def has_dense_mlp(spec: LayerSpec) -> bool:
+    return spec.ffn == "dense"
+
+
+def has_attention(spec: LayerSpec) -> bool:
+    return spec.mixer == "attention"
+
+
+def has_gated_deltanet(spec: LayerSpec) -> bool:
+    return spec.mixer == "gated_deltanet"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,160 +157,55 @@ class Target:
     index: int | None      # layer index inside a stacked param, None if not stacked
 
 
-def expand_rules(cfg: ModelConfig) -> dict[str, tuple[Rule, tuple[Target, ...]]]:
-    """Every concrete HF key this config has -> (rule, our targets)."""
+def expand_rules(rules: Iterable[Rule], *, n_layers: int, layer_groups: Sequence[LayerGroup],
+                 vision_groups: Sequence[tuple[int, int]] = (), n_vision_blocks: int = 0, n_deepstack: int = 0,
+                 skip: Iterable[str] = ()) -> dict[str, tuple[Rule, tuple[Target, ...]]]:
+    """Every concrete HF key of one model -> (rule, our targets). ``layer_groups`` place decoder
+    layer ``i`` into its scanned stack (``("decoder", group, "layers")``); ``vision_groups``
+    (``(start, end)`` runs) place vision block ``i``; ``skip`` drops global keys (a tied head)."""
     def split(p):
         return tuple(int(s) if s.isdigit() else s for s in p.split("."))
 
-    text_seg = {}
-    for s, (start, end, _) in enumerate(layer_segments(cfg)):
+    text_at = {}
+    for g, group in enumerate(layer_groups):
+        for i in range(group.start, group.end):
+            text_at[i] = (g, i - group.start, group.spec)
+    if sorted(text_at) != list(range(n_layers)):
+        raise ValueError(f"layer groups {layer_groups} do not cover the {n_layers} decoder layers")
+    vis_at = {}
+    for g, (start, end) in enumerate(vision_groups):
         for i in range(start, end):
-            text_seg[i] = (s, i - start)
-    vis_seg = {}
-    for s, (start, end) in enumerate(vision_segments(cfg.vision)):
-        for i in range(start, end):
-            vis_seg[i] = (s, i - start)
+            vis_at[i] = (g, i - start)
+    skip = frozenset(skip)
 
     out = {}
-    for rule in RULES:
+    for rule in rules:
         if rule.scope == "global":
-            if rule.hf == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue
-            out[rule.hf] = (rule, tuple(Target(split(o), None) for o in rule.ours))
-        elif rule.scope.startswith("text"):
-            for i in range(cfg.text.num_hidden_layers):
-                sparse = cfg.text.is_sparse(i)
-                if (rule.scope == "text_sparse" and not sparse) or (rule.scope == "text_dense" and sparse):
-                    continue
-                s, j = text_seg[i]
-                out[rule.hf.format(i=i)] = (rule, tuple(Target(("decoder", s, "layers") + split(o), j)
-                                                        for o in rule.ours))
+            if rule.hf not in skip:
+                out[rule.hf] = (rule, tuple(Target(split(o), None) for o in rule.ours))
+        elif rule.scope == "text_layer":
+            for i in range(n_layers):
+                g, j, spec = text_at[i]
+                if rule.layers is None or rule.layers(spec):
+                    out[rule.hf.format(i=i)] = (rule, tuple(Target(("decoder", g, "layers") + split(o), j)
+                                                            for o in rule.ours))
         elif rule.scope == "vision_block":
-            for i in range(cfg.vision.depth):
-                s, j = vis_seg[i]
-                out[rule.hf.format(i=i)] = (rule, tuple(Target(("vision", "blocks", s, "layers") + split(o), j)
+            for i in range(n_vision_blocks):
+                g, j = vis_at[i]
+                out[rule.hf.format(i=i)] = (rule, tuple(Target(("vision", "blocks", g, "layers") + split(o), j)
                                                         for o in rule.ours))
         elif rule.scope == "deepstack":
-            for j in range(len(cfg.vision.deepstack_visual_indexes)):
+            for j in range(n_deepstack):
                 out[rule.hf.format(j=j)] = (rule, tuple(Target(("vision", "deepstack_mergers", j) + split(o), None)
                                                         for o in rule.ours))
+        else:
+            raise ValueError(f"rule {rule.hf}: unknown scope {rule.scope!r}")
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-# safetensors, read and written without torch (bf16 through ml_dtypes)
+# Sharded fills
 # ---------------------------------------------------------------------------------------------
-
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-              "BOOL": np.bool_}
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
-
-
-class SafetensorsFile:
-    """Header parsed eagerly; tensors are zero-copy views of one read-only memory map."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = str(path)
-        with open(self.path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        self.metadata = header.pop("__metadata__", {})
-        self.header = header
-        self._base = 8 + n
-        self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-        for key, info in header.items():
-            start, end = info["data_offsets"]
-            want = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_ST_DTYPES[info["dtype"]]).itemsize
-            if end - start != want or self._base + end > self._mm.size:
-                raise CheckpointError(f"{self.path}: tensor {key} ({info['dtype']} {info['shape']}) needs bytes "
-                                      f"[{self._base + start}, {self._base + end}) but the file has "
-                                      f"{self._mm.size}: truncated or corrupt safetensors file")
-
-    def keys(self):
-        return list(self.header)
-
-    def shape(self, key):
-        return tuple(self.header[key]["shape"])
-
-    def get(self, key) -> np.ndarray:
-        info = self.header[key]
-        start, end = info["data_offsets"]
-        raw = self._mm[self._base + start:self._base + end]
-        return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-
-
-def read_safetensors(path) -> dict[str, np.ndarray]:
-    f = SafetensorsFile(path)
-    return {k: np.array(f.get(k)) for k in f.keys()}
-
-
-def write_safetensors(path, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
-    header, offset = {}, 0
-    arrays = []
-    for key in tensors:
-        a = np.ascontiguousarray(tensors[key])
-        header[key] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape),
-                       "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-        arrays.append(a)
-    header["__metadata__"] = dict(metadata or {"format": "pt"})
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for a in arrays:
-            f.write(a.reshape(-1).view(np.uint8).data)     # no bytes copy: a shard stays one shard in memory
-
-
-def checkpoint_files(hf_dir: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a checkpoint dir; refuses pickle checkpoints by name."""
-    d = Path(hf_dir)
-    if not d.is_dir():
-        raise CheckpointError(f"{d}: not a directory")
-    index = d / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [d / n for n in names]
-    else:
-        files = sorted(d.glob("*.safetensors"))
-    if not files:
-        pickles = sorted(p.name for p in d.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-        if pickles:
-            raise CheckpointError(
-                f"{d / pickles[0]}: pickle checkpoints (.bin/.pt) are refused because loading them "
-                "runs arbitrary code; convert to safetensors first (e.g. transformers "
-                "`model.save_pretrained(dir, safe_serialization=True)`)")
-        raise CheckpointError(f"{d}: no *.safetensors files found")
-    for f in files:
-        if not f.exists():
-            raise CheckpointError(f"{index}: lists {f.name}, which does not exist")
-    return files
-
-
-# ---------------------------------------------------------------------------------------------
-# Shardings
-# ---------------------------------------------------------------------------------------------
-
-def _divisible_spec(mesh, shape, names) -> PartitionSpec:
-    spec = logical_to_spec(names or (None,) * len(shape))
-    fixed = []
-    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-        # A dim the mesh axes do not divide stays replicated (tiny test shapes, odd head counts).
-        fixed.append(entry if size > 1 and dim % size == 0 else None)
-    return PartitionSpec(*fixed)
-
-
-def param_shardings(model_or_state, mesh) -> nnx.State:
-    """A NamedSharding per variable, from its logical names through the one rules table."""
-    state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
-    return jax.tree.map(
-        lambda v: v.replace(NamedSharding(mesh, _divisible_spec(mesh, v.shape, v.get_metadata().get("out_sharding")))),
-        state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-
 
 @functools.lru_cache(maxsize=None)
 def _set_layer_fn(sharding):
@@ -388,7 +222,9 @@ def _zeros_fn(shape, dtype, sharding):
 # Load
 # ---------------------------------------------------------------------------------------------
 
-def read_config(hf_dir, runtime: RuntimeOptions | None = None) -> ModelConfig:
+def read_config(hf_dir, runtime: RuntimeOptions | None = None):
+    """config.json -> the typed config of the architecture its ``model_type`` names."""
+    from rm_jax.model import registry
     path = Path(hf_dir) / "config.json"
     if not path.exists():
         raise CheckpointError(f"{path}: missing (a transformers checkpoint dir needs its config.json)")
@@ -397,7 +233,7 @@ def read_config(hf_dir, runtime: RuntimeOptions | None = None) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     try:
-        return ModelConfig.from_hf_dict(raw, runtime)
+        return registry.config_from_hf_dict(raw, runtime)
     except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from None
 
@@ -411,7 +247,7 @@ def _header_index(files) -> dict[str, tuple[Path, tuple, str]]:
     return index
 
 
-def _expert_layout_from_headers(index, cfg: ModelConfig, given: str | None) -> str | None:
+def _expert_layout_from_headers(index, cfg, given: str | None) -> str | None:
     """The flag, else the layout the fused gate_up tensors show when their shape tells
     (H != 2I). ``down_proj`` is ambiguous when H == I; gate_up then settles it. A gate_up shape
     that does not tell (H == 2I) stays ambiguous: the loader refuses it without the flag."""
@@ -424,10 +260,9 @@ def _expert_layout_from_headers(index, cfg: ModelConfig, given: str | None) -> s
     return None
 
 
-def _stored_head_differs(index, cfg: ModelConfig) -> bool:
+def _stored_head_differs(index, cfg, keys: tuple[str, str]) -> bool:
     """A tied config, yet the checkpoint stores an ``lm_head.weight`` that differs from the
     embedding: transformers then does not tie them (it warns), so neither do we."""
-    keys = ("lm_head.weight", _T + "embed_tokens.weight")
     if not cfg.tie_word_embeddings or not all(k in index for k in keys):
         return False
     head, embed = (SafetensorsFile(index[k][0]).get(k) for k in keys)
@@ -436,14 +271,13 @@ def _stored_head_differs(index, cfg: ModelConfig) -> bool:
 
 
 def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = None,
-            runtime: RuntimeOptions | None = None) -> tuple[Qwen3VLMoeJudge, ModelConfig]:
-    """Load a transformers Qwen3-VL-MoE safetensors checkpoint into a (sharded) NNX model.
+            runtime: RuntimeOptions | None = None) -> "tuple[JudgeModel, object]":
+    """Load a transformers safetensors checkpoint into a (sharded) NNX model -> (model, config),
+    the architecture picked by config.json's ``model_type`` (``rm_jax.model.registry``).
 
     ``expert_layout`` ("published"/"in_out" or "transformers"/"out_in") is needed only when the
     fused-expert shapes are ambiguous (hidden_size == 2 * moe_intermediate_size).
     """
-    if expert_layout is not None and expert_layout not in EXPERT_LAYOUTS:
-        raise ValueError(f"expert_layout={expert_layout!r}; expected one of {sorted(EXPERT_LAYOUTS)}")
     try:
         pdtype = jnp.dtype(dtype)
     except TypeError as e:
@@ -454,19 +288,25 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
     runtime = dataclasses.replace(runtime, dtype=str(pdtype), param_dtype=str(pdtype))
     if not Path(hf_dir).is_dir():
         raise CheckpointError(f"{hf_dir}: not a directory")
+    from rm_jax.model import registry
     cfg = read_config(hf_dir, runtime)
+    arch = registry.architecture_of(cfg)
+    if arch.load_hf is not None:
+        return arch.load_hf(hf_dir, dtype=dtype, mesh=mesh, expert_layout=expert_layout, runtime=runtime)
+    if expert_layout is not None and expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout={expert_layout!r}; expected one of {sorted(EXPERT_LAYOUTS)}")
     files = checkpoint_files(hf_dir)
     index = _header_index(files)
-    if _stored_head_differs(index, cfg):
+    if _stored_head_differs(index, cfg, (arch.head_key, arch.embed_key)):
         logging.warning("%s: config.json ties the LM head to the embedding, but the checkpoint stores a "
                         "different lm_head.weight: loading it untied, as transformers does", hf_dir)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
-    model = abstract_model(cfg)
+    model = registry.abstract_model(cfg)
     graphdef, state = nnx.split(model)
     flat = dict(nnx.to_flat_state(state))
     shardings = ({p: v.get_value() for p, v in nnx.to_flat_state(param_shardings(state, mesh))}
                  if mesh is not None else {})
-    table = expand_rules(cfg)
+    table = arch.key_table(cfg)
     ctx = {"expert_layout": _expert_layout_from_headers(
         index, cfg, EXPERT_LAYOUTS.get(expert_layout) if expert_layout else None)}
 
@@ -479,7 +319,7 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
         ctx["file"] = str(file)
         for key in st.keys():
             if key not in table:
-                if key == "lm_head.weight" and cfg.tie_word_embeddings:
+                if key == arch.head_key and cfg.tie_word_embeddings:
                     continue  # tied: the head is the embedding
                 unknown.append(key)
                 continue
@@ -534,11 +374,16 @@ def _np_dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def save_hf(model: Qwen3VLMoeJudge, out_dir, *, dtype=None, expert_layout: str | None = None,
+def save_hf(model: "JudgeModel", out_dir, *, dtype=None, expert_layout: str | None = None,
             max_shard_bytes: int = 4 << 30) -> Path:
-    """Write safetensors + config.json that ``Qwen3VLMoeForConditionalGeneration.from_pretrained``
-    loads. ``expert_layout`` defaults to the layout the model was loaded from (else transformers')."""
-    cfg: ModelConfig = model.cfg
+    """Write safetensors + config.json that transformers' ``from_pretrained`` (of the class the
+    config names) loads. ``expert_layout`` defaults to the layout the model was loaded from (else
+    transformers')."""
+    from rm_jax.model import registry
+    cfg = model.cfg
+    arch = registry.architecture_of(cfg)
+    if arch.save_hf is not None:
+        return arch.save_hf(model, out_dir, dtype=dtype, expert_layout=expert_layout)
     layout = EXPERT_LAYOUTS[expert_layout or cfg.hf_expert_layout or "out_in"]
     # Each tensor goes back in the dtype it was loaded from (bf16 -> fp32 -> bf16 is exact, and a
     # checkpoint with fp32 norms among bf16 weights keeps them); ``dtype`` forces one for all.
@@ -568,7 +413,7 @@ def save_hf(model: Qwen3VLMoeJudge, out_dir, *, dtype=None, expert_layout: str |
         written.append((tmp, list(shard), size))
         shard, size = {}, 0
 
-    for key, (rule, targets) in expand_rules(cfg).items():
+    for key, (rule, targets) in arch.key_table(cfg).items():
         ours = []
         for target in targets:
             arr = flat[target.path][...]

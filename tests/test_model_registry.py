@@ -1,0 +1,94 @@
+"""The architecture registry (by config.json's model_type) and the layer-spec records.
+
+* An unknown model_type, a missing one, and a Qwen3.5 config.json (until qwen3_5_moe is
+  registered) are refused by name with the known list, through every entry point: the registry,
+  ``load_hf`` on a checkpoint dir, and Qwen3-VL's own parser (which must not parse another
+  architecture's config field by field).
+* ``ModelConfig.layer_specs`` follows transformers' sparse-layer rule; ``group_layers`` cuts runs
+  of equal specs, deepstack layers alone; ``kind_offsets`` indexes each group into its kind's
+  decode-state stack.
+"""
+
+import json
+
+import pytest
+
+from rm_jax.model import JudgeModel, LayerSpec, ModelConfig, Qwen3VLMoeJudge, config_from_hf_dict, load_hf, registry
+from rm_jax.model.config import ConfigError
+from rm_jax.model.layer_stack import LayerGroup, group_layers, kind_offsets
+from rm_jax.model.safetensors_io import CheckpointError
+
+
+def _vl_dict(**text):
+    from configs.tiny import model_config
+    d = model_config().to_dict()
+    d["text_config"].update(text)
+    return d
+
+
+def _qwen3_5_dict():
+    from transformers import Qwen3_5MoeConfig
+    return Qwen3_5MoeConfig().to_dict()
+
+
+def test_known_model_types():
+    assert "qwen3_vl_moe" in registry.known_model_types()
+    cfg = config_from_hf_dict(_vl_dict())
+    assert isinstance(cfg, ModelConfig) and cfg.model_type == "qwen3_vl_moe"
+    assert registry.architecture_of(cfg).model_type == "qwen3_vl_moe"
+    model = registry.abstract_model(cfg)            # shapes only
+    assert isinstance(model, Qwen3VLMoeJudge) and isinstance(model, JudgeModel)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_unknown_model_type_is_refused_by_name(model_type):
+    d = dict(_vl_dict(), model_type=model_type)
+    with pytest.raises(registry.UnknownModelType, match=rf"model_type='{model_type}' is not supported.*"
+                                                        r"known model types: \[.*'qwen3_vl_moe'"):
+        config_from_hf_dict(d)
+
+
+def test_missing_model_type_is_refused():
+    d = _vl_dict()
+    del d["model_type"]
+    with pytest.raises(registry.UnknownModelType, match="no 'model_type' key"):
+        config_from_hf_dict(d)
+
+
+def test_qwen3_5_config_is_refused_by_name(tmp_path):
+    d = _qwen3_5_dict()
+    if "qwen3_5_moe" in registry.known_model_types():
+        pytest.skip("qwen3_5_moe is registered")
+    with pytest.raises(registry.UnknownModelType, match="model_type='qwen3_5_moe' is not supported") as e:
+        config_from_hf_dict(d)
+    assert "intermediate_size" not in str(e.value)
+    # Qwen3-VL's parser itself refuses it by name, even with the key whose absence once misled.
+    d["text_config"]["intermediate_size"] = 64
+    with pytest.raises(ConfigError, match="model_type='qwen3_5_moe' is not a Qwen3-VL-MoE config"):
+        ModelConfig.from_hf_dict(d)
+    # And so does loading a checkpoint dir (before any weight is read).
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=r"config.json: config: model_type='qwen3_5_moe' is not supported"):
+        load_hf(tmp_path)
+
+
+def test_layer_specs_follow_the_sparse_rule():
+    cfg = config_from_hf_dict(_vl_dict(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]))
+    moe, dense = LayerSpec("attention", "moe"), LayerSpec("attention", "dense")
+    # transformers: sparse iff not in mlp_only_layers and (i + 1) % step == 0.
+    assert cfg.layer_specs() == (dense, moe, dense, dense, dense, moe)
+    assert cfg.layer_specs() == tuple(LayerSpec("attention", "moe" if cfg.text.is_sparse(i) else "dense")
+                                      for i in range(6))
+
+
+def test_group_layers_and_kind_offsets():
+    gdn, attn = LayerSpec("gated_deltanet", "moe"), LayerSpec("attention", "moe")
+    specs = (gdn, gdn, gdn, attn, gdn, gdn, attn, attn)
+    groups = group_layers(specs)
+    assert groups == (LayerGroup(0, 3, gdn), LayerGroup(3, 4, attn), LayerGroup(4, 6, gdn), LayerGroup(6, 8, attn))
+    assert kind_offsets(groups) == (0, 0, 3, 1)
+    # A layer in `alone` is a group by itself, and the run after it starts fresh.
+    assert group_layers(specs, alone=[1]) == (LayerGroup(0, 1, gdn), LayerGroup(1, 2, gdn), LayerGroup(2, 3, gdn),
+                                              LayerGroup(3, 4, attn), LayerGroup(4, 6, gdn), LayerGroup(6, 8, attn))
+    with pytest.raises(ValueError, match="mixer='mamba'"):
+        LayerSpec("mamba", "dense")
