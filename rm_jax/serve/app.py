@@ -35,7 +35,7 @@ from rm_jax.serve.toolcalls import parse_raw_response
 
 ROUTES = ("/healthz", "/v1/models", "/v1/chat/completions", "/v1/score", "/get_reward", "/metrics")
 OPEN_ROUTES = ("/healthz",)
-SCORER_CALL_BATCHES = 8
+SCORER_CALL_BATCHES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +129,7 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
     # One scorer call takes up to SCORER_CALL_BATCHES device batches: the scorer then keeps two
     # device batches in flight and completes GRPO groups split over requests (one device batch per
     # call halved the throughput: each call paid a partly filled group batch and a whole-prompt
-    # batch, with the device idle between calls; larger calls sort by length and fill batches
-    # better, WORKSPACE.md "Serving"). Device batches stay at most max_batch samples.
+    # batch, with the device idle between calls). Device batches stay at most max_batch samples.
     call = SCORER_CALL_BATCHES * settings.max_batch
     batcher = Batcher(engine.run_batch, max_batch=settings.max_batch, max_wait_s=settings.max_wait_ms / 1000.0,
                       max_queue=settings.max_queue,
