@@ -16,10 +16,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rm_jax.model.config import ConfigError
+from flax import nnx
+
+from rm_jax.model.config import ConfigError, RuntimeOptions
 from rm_jax.model.hf import SafetensorsFile
 from rm_jax.model.judge import prepare_inputs
 from rm_jax.model.qwen3_5_moe.config import Qwen35MoeConfig
+from rm_jax.model.qwen3_5_moe import decode
 from rm_jax.model.qwen3_5_moe.model import layer_period
 from rm_jax.model.qwen3_5_moe.params import load_hf, save_hf
 from test_model_parity import IMAGE, VEND, VSTART, multimodal_batch, rel_err
@@ -89,6 +92,12 @@ def multimodal(tmp_path_factory):
     return hf, per_expert, fused, batch, hf_logits(hf, *batch)
 
 
+def jitted(fn, model, *static):
+    graphdef, state = nnx.split(model)
+    f = jax.jit(lambda state, *a: fn(nnx.merge(graphdef, state), *a, *static))
+    return lambda *a: f(state, *a)
+
+
 def valid_rel_err(ours, ref, mask):
     m = mask.astype(bool)
     return rel_err(np.asarray(ours)[m], ref[m])
@@ -122,12 +131,11 @@ def test_multimodal_parity_both_expert_layouts(multimodal, layout, caplog):
     assert cfg.hf_expert_layout == ("per_expert" if layout == "per_expert" else "out_in")
     if layout == "fused":
         assert any("ignoring 2 mtp.*" in r.getMessage() for r in caplog.records)
-    logits = model(ids, mask, pixels, grids)
-    err = valid_rel_err(logits, ref, mask)
+    out = model.forward(ids, mask, pixels, grids, return_hidden=True)
+    err = valid_rel_err(out.logits_btv, ref, mask)
     assert err <= 2e-4, err
     with torch.no_grad():
         ref_img = torch.cat(hf.model.get_image_features(torch.tensor(pixels), torch.tensor(grids)).pooler_output)
-    out = model.forward(ids, mask, pixels, grids, return_hidden=True)
     assert rel_err(out.image_embeds_nd, ref_img.numpy()) <= 2e-4
     assert out.layer_hidden_lbtd.shape[0] == 5 and out.moe_aux.expert_counts.shape == (5, 7)
 
@@ -152,27 +160,37 @@ def test_round_trip_bit_exact_and_transformers_loads_export(multimodal, layout, 
 def test_padding_never_reaches_gdn_state(multimodal):
     """A right-padded row's GDN states and attention KV equal those of the same row run alone."""
     _, per_expert, *_ = multimodal
-    model, cfg = load_hf(per_expert)
+    # The dense MoE oracle and XLA attention: the same math, a fraction of the compile time.
+    model, cfg = load_hf(per_expert, runtime=RuntimeOptions(moe_backend="dense", attention="xla"))
     rng = np.random.default_rng(3)
     ids = rng.integers(10, 512, (2, 200))
     mask = np.ones_like(ids)
     mask[1, 130:] = 0
-    states = model.forward_arrays(prepare_inputs(cfg, ids, mask, attention="lengths"), return_kv=True).kv_lbtkh
-    alone = model.forward_arrays(prepare_inputs(cfg, ids[1:, :130], mask[1:, :130]), return_kv=True).kv_lbtkh
+    states_of = jitted(lambda m, inputs: m.forward_arrays(inputs, return_kv=True).kv_lbtkh, model)
+    states = states_of(prepare_inputs(cfg, ids, mask, attention="lengths"))
+    alone = states_of(prepare_inputs(cfg, ids[1:, :130], mask[1:, :130]))
     np.testing.assert_allclose(states.gdn.recurrent_bhkv[:, 1], alone.gdn.recurrent_bhkv[:, 0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(states.gdn.conv_bwc[:, 1], alone.gdn.conv_bwc[:, 0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(states.k_lbtkh[:, 1, :130], alone.k_lbtkh[:, 0], rtol=1e-5, atol=1e-5)
     assert states.gdn.recurrent_bhkv.shape[0] == 3 and states.k_lbtkh.shape[0] == 2
 
 
-def test_text_only_causal_lm_periodic_pattern(tmp_path):
-    """Qwen3_5MoeForCausalLM (``model.layers.*``, no vision), a periodic pattern (scanned by block)."""
+@pytest.fixture(scope="module")
+def text_only(tmp_path_factory):
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    path = tmp_path_factory.mktemp("q35_text")
     text = text_config(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
     torch.manual_seed(0)
     hf = randomize(Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**text)).float(), 2)
-    hf.save_pretrained(tmp_path / "src")
-    model, cfg = load_hf(tmp_path / "src")
+    hf.save_pretrained(path)
+    return hf, path
+
+
+def test_text_only_causal_lm_periodic_pattern(text_only, tmp_path):
+    """Qwen3_5MoeForCausalLM (``model.layers.*``, no vision), a periodic pattern (scanned by block)."""
+    from transformers import Qwen3_5MoeForCausalLM
+    hf, src = text_only
+    model, cfg = load_hf(src)
     assert cfg.vision is None and model.period == 2
     rng = np.random.default_rng(1)
     ids = rng.integers(0, 512, (2, 150))
@@ -183,3 +201,38 @@ def test_text_only_causal_lm_periodic_pattern(tmp_path):
     save_hf(model, tmp_path / "out")
     back = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     np.testing.assert_array_equal(hf_logits(back, ids, mask), ref)
+
+
+@pytest.mark.slow   # six compiles of the text model: ~80 s on a loaded 2-core host
+def test_cached_decode_and_shared_prefix_equal_full_forward(text_only):
+    """KV + GDN-state decoding: prefill then one step, and a shared prefix extended by
+    right-padded suffixes, equal the full re-forward at the same positions."""
+    _, src = text_only
+    model, cfg = load_hf(src, runtime=RuntimeOptions(moe_backend="dense", attention="xla"))
+    full = jitted(lambda m, inputs: m.forward_arrays(inputs).logits_btv, model)
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 512, (2, 41))
+    lengths = np.array([40, 29])
+    mask = (np.arange(41)[None] < lengths[:, None] + 1).astype(np.int64)     # prompt + the next token
+    ref = np.asarray(full(prepare_inputs(cfg, ids, mask, attention="lengths")))
+    prompt_mask = (np.arange(41)[None] < lengths[:, None]).astype(np.int64)
+    logits_bv, cache = jitted(decode.prefill_fn, model, 48)(prepare_inputs(cfg, ids, prompt_mask, attention="lengths"))
+    np.testing.assert_allclose(logits_bv, ref[[0, 1], lengths - 1], rtol=1e-4, atol=1e-4)
+    step_logits_bv, cache = jitted(decode.step_fn, model)(cache, jnp.asarray(ids[[0, 1], lengths]))
+    np.testing.assert_allclose(step_logits_bv, ref[[0, 1], lengths], rtol=1e-4, atol=1e-4)
+    assert np.array_equal(cache.length_b, lengths + 1)
+
+    # Shared prefix: one 25-token prefix row, two continuations of 15 and 9 tokens.
+    prefix = ids[:1, :25]
+    _, pcache = jitted(decode.prefill_fn, model, 48)(prepare_inputs(cfg, prefix, np.ones_like(prefix),
+                                                                    attention="lengths"))
+    suffix = rng.integers(0, 512, (2, 15))
+    n_b = np.array([15, 9])
+    whole = np.concatenate([np.repeat(prefix, 2, 0), suffix], 1)
+    whole_mask = (np.arange(40)[None] < 25 + n_b[:, None]).astype(np.int64)
+    ref2 = np.asarray(full(prepare_inputs(cfg, whole, whole_mask, attention="lengths")))[[0, 1], 24 + n_b]
+    lp, lf, lse = jitted(decode.extend_slot_logits_fn, model, 7, 11)(
+        pcache, jnp.zeros(2, jnp.int32), jnp.asarray(suffix), jnp.asarray(n_b))
+    np.testing.assert_allclose(lp, ref2[:, 7], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(lf, ref2[:, 11], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(lse, jax.nn.logsumexp(ref2, axis=-1), rtol=1e-5, atol=1e-5)
