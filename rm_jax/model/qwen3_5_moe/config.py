@@ -89,6 +89,10 @@ class Qwen35TextConfig:
             raise ConfigError(f"text_config.linear_num_value_heads={self.linear_num_value_heads} is not a "
                               f"multiple of linear_num_key_heads={self.linear_num_key_heads}")
 
+    def is_sparse(self, layer: int) -> bool:
+        """Every Qwen3.5-MoE layer routes its FFN through experts (same query as Qwen3-VL's config)."""
+        return 0 <= layer < self.num_hidden_layers
+
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
