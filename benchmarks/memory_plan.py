@@ -248,6 +248,10 @@ def compile_variant(name, f):
     # --attention=xla compiles XLA's [B, N, T, S] attention instead.
     if f.attention == "xla":
         cfg.train.attention = "xla"
+    elif cfg.train.attention == "auto":
+        # "auto" is the CPU kernel on this host; "xla" routes through jax.nn.dot_product_attention,
+        # which --attention=chunked replaces by the flash-like stand-in (a GPU's path, not a CPU's).
+        cfg.train.attention = "xla"
     cfg.mesh = type(cfg.mesh)({**dict(data=1, fsdp=1, expert=1, tensor=1), **axes})
     a, gb, t = int(acc or f.grad_accum), f.global_batch, f.seq
     cfg.train.grad_accum = a

@@ -22,9 +22,6 @@ Design choices:
 
 from __future__ import annotations
 
-import functools
-import weakref
-
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -32,8 +29,7 @@ from flax import nnx
 
 from rm_jax.model.gated_attention import GatedAttention
 from rm_jax.model.gated_deltanet import GatedDeltaNet, GatedDeltaNetState
-from rm_jax.model.judge import (JudgeInputs, JudgeOutput, StaticGraph, check_processor_extras,
-                                prepare_inputs)
+from rm_jax.model.judge import JudgeInputs, JudgeOutput, Qwen3VLMoeJudge
 from rm_jax.model.layers import (AttentionMask, LayerStack, ZeroCenteredRMSNorm, as_dtype, causal_padding_mask,
                                  mrope_cos_sin, normal, param)
 from rm_jax.model.moe import MoeConfig
@@ -137,8 +133,13 @@ def _stack_kind(per_sublayer, js):
                         *[per_sublayer[j] for j in js])
 
 
-class Qwen35MoeJudge(nnx.Module):
-    """Qwen3_5MoeForConditionalGeneration (or ForCausalLM, ``cfg.vision is None``) in NNX."""
+class Qwen35MoeJudge(Qwen3VLMoeJudge):
+    """Qwen3_5MoeForConditionalGeneration (or ForCausalLM, ``cfg.vision is None``) in NNX.
+
+    Inherits only the convenience API of ``Qwen3VLMoeJudge`` (``forward``/``__call__``, the
+    cached split and jit), which runs this class's ``forward_arrays``; its own parameters and
+    forward are all defined here (there is no ``segments``/``decoder``: code that walks the
+    Qwen3-VL layer stacks, like ``rm_jax.model.decode``, needs ``qwen3_5_moe.decode`` instead)."""
 
     def __init__(self, cfg: Qwen35MoeConfig, *, rngs: nnx.Rngs):
         t, rt = cfg.text, cfg.runtime
@@ -226,48 +227,6 @@ class Qwen35MoeJudge(nnx.Module):
                                moe_aux=moe_aux, kv_lbtkh=kv)
         return JudgeOutput(logits_btv=logits_btv, layer_hidden_lbtd=flat(h_nplbtd), inputs_embeds_btd=inputs_embeds,
                            final_hidden_btd=final_btd, image_embeds_nd=image_nd, moe_aux=moe_aux, kv_lbtkh=kv)
-
-    # -- convenience API (numpy or jax in, jitted), as Qwen3VLMoeJudge ---------------------------
-
-    def __setattr__(self, name, value):
-        _SPLIT_CACHE.pop(self, None)
-        super().__setattr__(name, value)
-
-    def split_cached(self):
-        return self._split_and_graph()[0]
-
-    def _split_and_graph(self):
-        cached = _SPLIT_CACHE.get(self)
-        if cached is None:
-            split = nnx.split(self)
-            cached = _SPLIT_CACHE[self] = (split, StaticGraph.of(split[0]))
-        return cached
-
-    def forward(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None, *,
-                mm_token_type_ids=None, pixel_values_videos=None, video_grid_thw=None,
-                return_hidden: bool = False) -> JudgeOutput:
-        check_processor_extras(self.cfg, input_ids, mm_token_type_ids, pixel_values_videos, video_grid_thw)
-        inputs = prepare_inputs(self.cfg, input_ids, attention_mask, pixel_values, image_grid_thw, attention="auto")
-        (_, state), graph = self._split_and_graph()
-        if self.mesh is None:
-            return _jit_forward(graph, state, inputs, return_hidden)
-        with jax.set_mesh(self.mesh):
-            return _jit_forward(graph, state, inputs, return_hidden)
-
-    def __call__(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None, *,
-                 mm_token_type_ids=None, pixel_values_videos=None, video_grid_thw=None):
-        return self.forward(input_ids, attention_mask, pixel_values, image_grid_thw,
-                            mm_token_type_ids=mm_token_type_ids, pixel_values_videos=pixel_values_videos,
-                            video_grid_thw=video_grid_thw).logits_btv
-
-
-_SPLIT_CACHE: "weakref.WeakKeyDictionary[Qwen35MoeJudge, tuple]" = weakref.WeakKeyDictionary()
-
-
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _jit_forward(graph: StaticGraph, state, inputs: JudgeInputs, return_hidden: bool) -> JudgeOutput:
-    return graph.merge(state).forward_arrays(inputs, return_hidden=return_hidden)
-
 
 def init_model(cfg: Qwen35MoeConfig, seed: int = 0) -> Qwen35MoeJudge:
     return Qwen35MoeJudge(cfg, rngs=nnx.Rngs(seed))

@@ -40,8 +40,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rm_jax.model import hf
 from rm_jax.model.config import ConfigError, RuntimeOptions
 from rm_jax.model.gated_deltanet import HF_PARAMS as GDN_HF_PARAMS
-from rm_jax.model.hf import (EXPERTS_DOWN, EXPERTS_GATE_UP, IDENT, KV_HEADS, O_HEADS, PATCH_CONV, QKV_B, QKV_W,
-                             TRANSPOSE, VIS_O_HEADS, CheckpointError, Rule, Target, Transform)
+from rm_jax.model.hf import (EXPERTS_DOWN, EXPERTS_GATE_UP, IDENT, KV_HEADS, O_HEADS, TRANSPOSE, CheckpointError,
+                             Rule, Target, Transform)
 from rm_jax.model.qwen3_5_moe.config import Qwen35MoeConfig
 from rm_jax.model.qwen3_5_moe.model import Qwen35MoeJudge, abstract_model, layer_period
 from rm_jax.model.vision import vision_segments
@@ -88,7 +88,7 @@ _GDN_INVERSES = {
 # The table
 # ---------------------------------------------------------------------------------------------
 
-_V = "model.visual."
+_V = hf._V
 
 
 def text_prefix(cfg: Qwen35MoeConfig) -> str:
@@ -123,20 +123,8 @@ def rules(cfg: Qwen35MoeConfig) -> tuple[Rule, ...]:
     if not cfg.tie_word_embeddings:
         out.append(Rule("lm_head.weight", ("lm_head_dv",), TRANSPOSE, "global"))
     if cfg.vision is not None:
-        out += [
-            Rule(_V + "patch_embed.proj.weight", ("vision.patch_w_pd",), PATCH_CONV, "global"),
-            Rule(_V + "patch_embed.proj.bias", ("vision.patch_b_d",), IDENT, "global"),
-            Rule(_V + "pos_embed.weight", ("vision.pos_embed_pd",), IDENT, "global"),
-            *(Rule(_V + "blocks.{i}." + k, o, t, "vision_block") for k, o, t in (
-                ("norm1.weight", ("norm1.weight",), IDENT), ("norm1.bias", ("norm1.bias",), IDENT),
-                ("norm2.weight", ("norm2.weight",), IDENT), ("norm2.bias", ("norm2.bias",), IDENT),
-                ("attn.qkv.weight", ("attn.wq_dnh", "attn.wk_dnh", "attn.wv_dnh"), QKV_W),
-                ("attn.qkv.bias", ("attn.bq_nh", "attn.bk_nh", "attn.bv_nh"), QKV_B),
-                ("attn.proj.weight", ("attn.wo_nhd",), VIS_O_HEADS), ("attn.proj.bias", ("attn.bo_d",), IDENT),
-                ("mlp.linear_fc1.weight", ("fc1.w",), TRANSPOSE), ("mlp.linear_fc1.bias", ("fc1.b",), IDENT),
-                ("mlp.linear_fc2.weight", ("fc2.w",), TRANSPOSE), ("mlp.linear_fc2.bias", ("fc2.b",), IDENT))),
-            *(Rule(_V + "merger." + k, ("vision.merger." + o,), t, "global") for k, o, t in hf._MERGER),
-        ]
+        # Qwen3-VL's ViT rules as they are, without its deepstack mergers.
+        out += [r for r in hf.RULES if r.hf.startswith(_V) and r.scope != "deepstack"]
     return tuple(out)
 
 
