@@ -236,3 +236,21 @@ def test_cached_decode_and_shared_prefix_equal_full_forward(text_only):
     np.testing.assert_allclose(lp, ref2[:, 7], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(lf, ref2[:, 11], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(lse, jax.nn.logsumexp(ref2, axis=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_35b_config_has_the_published_sizes():
+    """configs/qwen3_5_35b_a3b.py parses, and its text sizes are transformers' Qwen3_5MoeConfig
+    defaults (which are Qwen/Qwen3.5-35B-A3B's)."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    from configs import qwen3_5_35b_a3b
+    from rm_jax.model.config import hf_config_dict
+    cfg = Qwen35MoeConfig.from_hf_dict(hf_config_dict(qwen3_5_35b_a3b.model_config().to_dict()))
+    ref = Qwen3_5MoeTextConfig()
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                "linear_value_head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size"):
+        assert getattr(cfg.text, key) == getattr(ref, key), key
+    assert cfg.text.layer_types == tuple(ref.layer_types) and cfg.text.attention_layers == tuple(range(3, 40, 4))
+    assert cfg.text.rotary_dim == 64 and cfg.vision.out_hidden_size == 2048 and not cfg.vision.deepstack_visual_indexes
