@@ -30,7 +30,7 @@ from flax import nnx
 from rm_jax.model.gated_attention import GatedAttention
 from rm_jax.model.gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from rm_jax.model.judge import JudgeInputs, JudgeOutput, Qwen3VLMoeJudge
-from rm_jax.model.layers import (AttentionMask, LayerStack, ZeroCenteredRMSNorm, as_dtype, causal_padding_mask,
+from rm_jax.model.layers import (REMAT_POLICIES, AttentionMask, LayerStack, ZeroCenteredRMSNorm, as_dtype, causal_padding_mask,
                                  mrope_cos_sin, normal, param)
 from rm_jax.model.moe import MoeConfig
 from rm_jax.model.qwen3_5_moe.config import Qwen35MoeConfig
@@ -133,6 +133,19 @@ def _stack_kind(per_sublayer, js):
                         *[per_sublayer[j] for j in js])
 
 
+def _call_layer(layer, remat: str, *args, return_state: bool):
+    """``layer(*args)``, each layer checkpointed on its own when remat is on (as the Qwen3-VL
+    decoder, whose scan unit is one layer). The scan unit here is a whole block: checkpointing
+    the block instead would recompute, and keep live, all its layers' internals (gathered
+    experts, GDN chunk tensors) at once in its backward."""
+    if remat == "none":
+        return layer(*args, return_state=return_state)
+    graphdef, state = nnx.split(layer)
+    fn = jax.checkpoint(lambda st, *a: nnx.merge(graphdef, st)(*a, return_state=return_state),
+                        policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return fn(state, *args)
+
+
 class Qwen35MoeJudge(Qwen3VLMoeJudge):
     """Qwen3_5MoeForConditionalGeneration (or ForCausalLM, ``cfg.vision is None``) in NNX.
 
@@ -195,18 +208,21 @@ class Qwen35MoeJudge(Qwen3VLMoeJudge):
         else:
             attn_mask = AttentionMask(mask_b1ts=causal_padding_mask(mask_bt))
 
+        remat = cfg.runtime.remat
+
         def body(block, x, _):
             hs, auxes, states = [], [], []
             for layer in block.layers:
-                x, aux, state = layer(x, cos_btr, sin_btr, attn_mask, mask_bt, return_state=return_kv)
+                x, aux, state = _call_layer(layer, remat, x, cos_btr, sin_btr, attn_mask, mask_bt,
+                                            return_state=return_kv)
                 hs.append(x if return_hidden else None)
                 auxes.append(aux)
                 states.append(state)
             stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs)
             return x, (stack(hs) if return_hidden else None, stack(auxes), tuple(states) if return_kv else None)
 
-        x_btd, (h_nplbtd, aux_np, states) = self.blocks.apply(body, x_btd, scan=cfg.runtime.scan_layers,
-                                                              remat=cfg.runtime.remat)
+        # Remat is per layer (_call_layer), not per block.
+        x_btd, (h_nplbtd, aux_np, states) = self.blocks.apply(body, x_btd, scan=cfg.runtime.scan_layers)
         flat = lambda a: a.reshape((-1,) + a.shape[2:])     # [blocks, period, ...] -> [layers, ...]
         moe_aux = jax.tree.map(flat, aux_np)
         kv = None
