@@ -56,12 +56,19 @@ flags.DEFINE_enum("attention", "chunked", ["chunked", "xla"], "attention lowerin
 flags.DEFINE_integer("attn_block", 512, "query block of the chunked attention")
 flags.DEFINE_bool("check_init_sharding", True, "also compile the optimizer init as StepBuilder.init_state places it")
 flags.DEFINE_bool("flops", True, "per-layer compiles to correct the scan-undercounted FLOPs")
+flags.DEFINE_bool("bf16_gather", None,
+                  "the ragged_dot stand-in all-gathers its bf16 expert weights in 16 bits, as a GPU does, not in "
+                  "XLA:CPU's f32 (see make_bf16_gather; default: on for qwen3_5_35b_a3b, off for "
+                  "qwen3_vl_30b_a3b, whose table was measured without it)")
+flags.DEFINE_list("override", [], "config keys to change before compiling, as KEY=VALUE (e.g. "
+                  "train.expert_grad_dtype=, train.vocab_chunk=8192); values are parsed as ints when they are")
 flags.DEFINE_enum("model", "qwen3_vl_30b_a3b", ["qwen3_vl_30b_a3b", "qwen3_5_35b_a3b"],
                   "which configs/<model>.py to plan (the Qwen3.5 hybrid: its scan unit is one 4-layer block)")
 
 GIB = 1 << 30
 H200_BF16 = 989e12
 ORIG_ATTENTION = None
+ORIG_SHARDED_EXPERTS = None
 REPORT_S_PER_STEP = (7 * 3600 + 19 * 60) / 2299
 
 # name -> (mesh axes, moe backend, images?, rules override for weights)
@@ -87,6 +94,48 @@ def log(msg):
 # ---------------------------------------------------------------------------------------------
 # GPU-kernel-like stand-ins for the CPU lowerings
 # ---------------------------------------------------------------------------------------------
+
+def make_bf16_gather_experts(orig, mesh_axis: str):
+    """``moe.sharded_experts`` with its FSDP weight all-gather done as a GPU runs it: in 16 bits.
+
+    XLA:CPU cannot run a bf16 dot or collective, so its float normalization makes the gathers
+    at the experts' shard_map boundary f32; the simplifier then merges that upcast with the
+    master->bf16 cast, and loop invariant code motion lifts it out of both loops: f32 copies of
+    every stacked expert weight (15 GiB per device for the 35B) that no GPU allocates. Here the
+    gather comes first and is explicit (a shard_map all_gather over ``mesh_axis`` of the hidden
+    dim, the one the rules table shards), moving the bits as uint16, which CPU collectives do
+    natively; the experts' own boundary is then a no-op. The cotangent passes through unchanged
+    (the gather is the identity on the global array), so the weight gradients and their
+    reduce-scatters are the partitioner's, as before.
+    """
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    def gather_bits(w_ekn, axis):
+        def local(w):
+            bits = jax.lax.all_gather(jax.lax.bitcast_convert_type(w, jnp.uint16), mesh_axis, axis=axis, tiled=True)
+            return jax.lax.bitcast_convert_type(bits, w.dtype)
+        spec = P(*(mesh_axis if d == axis else None for d in range(w_ekn.ndim)))
+        return jax.shard_map(local, in_specs=spec, out_specs=P(), check_vma=False)(w_ekn)
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+    def gather(w_ekn, axis):
+        return gather_bits(w_ekn, axis)
+
+    gather.defvjp(lambda w, axis: (gather_bits(w, axis), None), lambda axis, _, g: (g,))
+
+    def sharded_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd, *, mesh,
+                        expert_parallel: bool, **kw):
+        if not expert_parallel and wi_gate_edf.dtype == jnp.bfloat16:
+            # [E, H, I] gate/up and [E, I, H] down: H is the FSDP-sharded ("embed") dim
+            wi_gate_edf, wi_up_edf, wo_efd = gather(wi_gate_edf, 1), gather(wi_up_edf, 1), gather(wo_efd, 2)
+        return orig(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd, mesh=mesh,
+                    expert_parallel=expert_parallel, **kw)
+    return sharded_experts
+
 
 def make_ragged_dot_kernel_like(num_experts: int):
     import jax.numpy as jnp
@@ -243,6 +292,12 @@ def compile_variant(name, f):
     axes, backend, images, rules = VARIANTS[base]
     cfg = importlib.import_module(f"configs.{f.model}").get_config()
     as_configured = (dict(cfg.mesh), cfg.moe.backend)
+    for item in f.override:
+        key, sep, value = item.partition("=")
+        section, _, leaf = key.partition(".")
+        if not sep or not leaf or section not in cfg or leaf not in cfg[section]:
+            raise ValueError(f"--override={item!r}: expected SECTION.KEY=VALUE with an existing key")
+        cfg[section][leaf] = type(cfg[section][leaf])(value) if value.lstrip("-").isdigit() else value
     cfg.moe.backend = backend
     # The config's attention (cuDNN flash) is what --attention=chunked stands in for;
     # --attention=xla compiles XLA's [B, N, T, S] attention instead.
@@ -260,7 +315,12 @@ def compile_variant(name, f):
     mesh = make_mesh(cfg.mesh, num_experts=mcfg.text.num_experts, global_batch=b)
     patches = f.patches_per_sample * b if images else 0
     compiled_cfg = compiled_config(cfg, f)
-    same = (dict(cfg.mesh), backend) == as_configured and rules is None and a == 4 and t == 8192 and not images
+    from rm_jax.model import moe as moe_lib
+    fsdp_only = backend == "ragged" and mesh.shape["fsdp"] == mesh.size > 1
+    moe_lib.sharded_experts = (make_bf16_gather_experts(ORIG_SHARDED_EXPERTS, "fsdp")
+                               if f.gpu_kernels and use_bf16_gather(f) and fsdp_only else ORIG_SHARDED_EXPERTS)
+    same = ((dict(cfg.mesh), backend) == as_configured and rules is None and a == 4 and t == 8192 and not images
+            and not f.override)
     log(f"[{name}] mesh {dict(mesh.shape)} backend {backend}; A={a} microbatch {b} x {t}; "
         f"patches/microbatch {patches}")
     log(f"[{name}] compiled config: " + " ".join(f"{k}={v}" for k, v in compiled_cfg.items())
@@ -335,6 +395,10 @@ def plan_model_config(cfg):
     return Qwen35MoeConfig.from_hf_dict(hf_config_dict(cfg.model.to_dict()), runtime)
 
 
+def use_bf16_gather(f) -> bool:
+    return f.model == "qwen3_5_35b_a3b" if f.bf16_gather is None else bool(f.bf16_gather)
+
+
 def compiled_config(cfg, f) -> dict:
     """The run-time choices this variant compiled, as config keys (and the CPU stand-ins used)."""
     t = cfg.train
@@ -344,7 +408,9 @@ def compiled_config(cfg, f) -> dict:
             "train.param_dtype": t.param_dtype, "train.mu_dtype": t.mu_dtype, "train.nu_dtype": t.nu_dtype,
             "train.expert_grad_dtype": t.expert_grad_dtype, "train.expert_accum_dtype": t.expert_accum_dtype,
             "train.remat": t.remat}
+    barrier = use_bf16_gather(f) and cfg.moe.backend == "ragged"
     keys["cpu_stand_ins"] = ",".join(x for x, on in (("ragged_dot", f.gpu_kernels),
+                                                      ("bf16_gather", f.gpu_kernels and barrier),
                                                       ("flash_attention", f.attention == "chunked")) if on) or "none"
     return keys
 
@@ -461,8 +527,9 @@ def main(argv):
     f = flags.FLAGS
     log(f"jax {jax.__version__}; {jax.device_count()} emulated {jax.devices()[0].platform} devices; "
         f"gpu_kernels={f.gpu_kernels} attention={f.attention}")
-    global ORIG_ATTENTION
+    global ORIG_ATTENTION, ORIG_SHARDED_EXPERTS
     ORIG_ATTENTION = jax.nn.dot_product_attention
+    ORIG_SHARDED_EXPERTS = moe_lib.sharded_experts
     if f.gpu_kernels:
         # As on a GPU host: "auto" picks the grouped-matmul kernel (not the CPU tiled loop), whose
         # CPU lowering is then replaced by the kernel-like stand-in.
