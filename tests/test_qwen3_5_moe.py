@@ -22,9 +22,10 @@ from rm_jax.model.config import ConfigError, RuntimeOptions
 from rm_jax.model.safetensors_io import SafetensorsFile
 from rm_jax.model.inputs import prepare_inputs
 from rm_jax.model.qwen3_5_moe.config import Qwen35MoeConfig
-from rm_jax.model.qwen3_5_moe import decode
+from rm_jax.model import decode
 from rm_jax.model.qwen3_5_moe.model import layer_period
-from rm_jax.model.qwen3_5_moe.params import load_hf, save_hf
+# The generic entry points: they dispatch on config.json's model_type (rm_jax.model.registry).
+from rm_jax.model import load_hf, save_hf
 from test_model_parity import IMAGE, VEND, VSTART, multimodal_batch, rel_err
 
 PATTERN = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
@@ -166,13 +167,14 @@ def test_padding_never_reaches_gdn_state(multimodal):
     ids = rng.integers(10, 512, (2, 200))
     mask = np.ones_like(ids)
     mask[1, 130:] = 0
-    states_of = jitted(lambda m, inputs: m.forward_arrays(inputs, return_kv=True).kv_lbtkh, model)
-    states = states_of(prepare_inputs(cfg, ids, mask, attention="lengths"))
-    alone = states_of(prepare_inputs(cfg, ids[1:, :130], mask[1:, :130]))
-    np.testing.assert_allclose(states.gdn.recurrent_bhkv[:, 1], alone.gdn.recurrent_bhkv[:, 0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(states.gdn.conv_bwc[:, 1], alone.gdn.conv_bwc[:, 0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(states.k_lbtkh[:, 1, :130], alone.k_lbtkh[:, 0], rtol=1e-5, atol=1e-5)
-    assert states.gdn.recurrent_bhkv.shape[0] == 3 and states.k_lbtkh.shape[0] == 2
+    states_of = jitted(lambda m, inputs: (lambda o: (o.kv_lbtkh, o.recurrent))(m.forward_arrays(inputs, return_kv=True)),
+                       model)
+    (k_lbtkh, _), gdn = states_of(prepare_inputs(cfg, ids, mask, attention="lengths"))
+    (alone_k, _), alone_gdn = states_of(prepare_inputs(cfg, ids[1:, :130], mask[1:, :130]))
+    np.testing.assert_allclose(gdn.recurrent_bhkv[:, 1], alone_gdn.recurrent_bhkv[:, 0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gdn.conv_bwc[:, 1], alone_gdn.conv_bwc[:, 0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(k_lbtkh[:, 1, :130], alone_k[:, 0], rtol=1e-5, atol=1e-5)
+    assert gdn.recurrent_bhkv.shape[0] == 3 and k_lbtkh.shape[0] == 2
 
 
 @pytest.fixture(scope="module")

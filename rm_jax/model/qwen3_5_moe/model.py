@@ -11,10 +11,12 @@ Design choices:
   ``LayerStack`` scanned over blocks, so 4 layer bodies are compiled, not 40. A pattern with no
   repeat is one block of all the layers (unrolled). ``params.py`` places HF layer ``i`` at
   block ``i // p``, sub-layer ``i % p``.
-* **Decode state per layer kind.** ``forward_arrays(return_kv=True)`` returns a ``LayerStates``:
-  rotated k/v of the attention layers and the (conv, fp32 recurrent) state of the GDN layers,
-  each stacked in layer order; ``decode.py`` turns them into a cache. Each layer's ``decode``
-  advances one layer by N tokens from its own state.
+* **Decode state per layer kind** (``rm_jax.model.decode_state``). ``forward_arrays(return_kv=True)``
+  returns the rotated k/v of the attention layers (``kv_lbtkh``) and the (conv, fp32 recurrent)
+  state of the GDN layers (``recurrent``), each stacked in layer order within its kind;
+  ``decode_tokens`` runs new tokens against a ``DecodeState`` block by block, each layer's
+  ``decode`` advancing it by N tokens from its own slice, so ``rm_jax.model.decode`` (the
+  scorer's and server's decoder) drives this model unchanged.
 * **Padding.** GDN layers get the attention mask as ``valid_bt``: pad positions neither decay nor
   write the recurrent state (and the conv sees zeros there, as transformers does), so right
   padding never reaches a row's state.
@@ -22,13 +24,13 @@ Design choices:
 
 from __future__ import annotations
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from rm_jax.model.gated_attention import GatedAttention
-from rm_jax.model.gated_deltanet import GatedDeltaNet, GatedDeltaNetState
+from rm_jax.model.decode_state import DecodeState, NewTokenState
+from rm_jax.model.gated_deltanet import GatedDeltaNet
 from rm_jax.model.interface import JudgeInputs, JudgeOutput
 from rm_jax.model.judge_module import JudgeModule
 from rm_jax.model.layer_stack import REMAT_POLICIES, LayerStack
@@ -48,14 +50,6 @@ def layer_period(layer_types) -> int:
         if n % p == 0 and all(layer_types[i] == layer_types[i % p] for i in range(n)):
             return p
     return n
-
-
-@flax.struct.dataclass
-class LayerStates:
-    """Per-kind decoder state after a prefill, stacked in layer order within each kind."""
-    k_lbtkh: jax.Array | None             # attention layers' rotated keys
-    v_lbtkh: jax.Array | None
-    gdn: GatedDeltaNetState | None        # GDN layers' conv ([L, B, W-1, C]) and recurrent state
 
 
 def rope_tables(cfg: Qwen35MoeConfig, pos_3bt, dtype):
@@ -198,7 +192,8 @@ class Qwen35MoeJudge(JudgeModule):
 
     def forward_arrays(self, inputs: JudgeInputs, *, return_hidden: bool = False,
                        logits: bool = True, return_kv: bool = False) -> JudgeOutput:
-        """As ``Qwen3VLMoeJudge.forward_arrays``; ``return_kv`` puts a ``LayerStates`` in ``kv_lbtkh``."""
+        """As ``Qwen3VLMoeJudge.forward_arrays``; ``return_kv`` adds the attention layers' (k, v)
+        ``kv_lbtkh`` and the GDN layers' ``recurrent`` state (a ``DecodeState`` prefill)."""
         cfg, dt = self.cfg, self.dtype
         mask_bt = jnp.asarray(inputs.attention_mask_bt)
         x_btd, image_nd = self.embed(inputs)
@@ -226,13 +221,11 @@ class Qwen35MoeJudge(JudgeModule):
         x_btd, (h_nplbtd, aux_np, states) = self.blocks.apply(body, x_btd, scan=cfg.runtime.scan_layers)
         flat = lambda a: a.reshape((-1,) + a.shape[2:])     # [blocks, period, ...] -> [layers, ...]
         moe_aux = jax.tree.map(flat, aux_np)
-        kv = None
+        kv = recurrent = None
         if return_kv:
             attn_js = [j for j, k in enumerate(self.kinds) if k == "full_attention"]
             gdn_js = [j for j, k in enumerate(self.kinds) if k != "full_attention"]
-            kv_l = _stack_kind(states, attn_js)
-            kv = LayerStates(k_lbtkh=None if kv_l is None else kv_l[0], v_lbtkh=None if kv_l is None else kv_l[1],
-                             gdn=_stack_kind(states, gdn_js))
+            kv, recurrent = _stack_kind(states, attn_js), _stack_kind(states, gdn_js)
 
         final_btd = self.final_norm(x_btd)
         logits_btv = None
@@ -241,9 +234,56 @@ class Qwen35MoeJudge(JudgeModule):
             logits_btv = constrain(logits_btv.astype(jnp.float32), ("batch", "length", "act_vocab"))
         if not return_hidden:
             return JudgeOutput(logits_btv=logits_btv, final_hidden_btd=None if logits_btv is not None else final_btd,
-                               moe_aux=moe_aux, kv_lbtkh=kv)
+                               moe_aux=moe_aux, kv_lbtkh=kv, recurrent=recurrent)
         return JudgeOutput(logits_btv=logits_btv, layer_hidden_lbtd=flat(h_nplbtd), inputs_embeds_btd=inputs_embeds,
-                           final_hidden_btd=final_btd, image_embeds_nd=image_nd, moe_aux=moe_aux, kv_lbtkh=kv)
+                           final_hidden_btd=final_btd, image_embeds_nd=image_nd, moe_aux=moe_aux, kv_lbtkh=kv,
+                           recurrent=recurrent)
+
+    # -- cached decoding (rm_jax.model.decode) ----------------------------------------------------
+
+    def decode_tokens(self, state: DecodeState, tokens_bn: jax.Array,
+                      valid_bn: jax.Array | None = None) -> tuple[jax.Array, NewTokenState]:
+        """N new text tokens per row after the cached ones -> (last layer's ``x_bnd`` before the
+        final norm, the attention layers' new k/v ``[L_attn, B, N, K, Hd]`` (not yet written) and
+        the GDN layers' state after each row's valid new tokens). ``valid_bn`` False marks right
+        padding, which leaves a GDN state unchanged (the KV side needs no mask: key lengths hide it)."""
+        dt = self.dtype
+        b, n = tokens_bn.shape
+        x_bnd = constrain(jnp.take(self.embed_vd[...], tokens_bn, axis=0).astype(dt),
+                          ("batch", "length", "act_embed"))
+        # Text after the cached tokens: position next_pos + i on all three MRoPE axes.
+        pos_bn = state.next_pos_b[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+        cos_bnr, sin_bnr = rope_tables(self.cfg, jnp.broadcast_to(pos_bn[None], (3, b, n)), dt)
+        write_b = state.length_b
+        kv_lengths_b = write_b + 1   # what the first new token sees: the cached tokens and itself
+        n_blocks = self.blocks.n
+        # Each kind's stack is in layer order, so block i's sub-layers of that kind are rows
+        # [i * per_block, (i + 1) * per_block): a reshape gives the scan's per-block slices.
+        per_block = lambda a: a.reshape((n_blocks, -1) + a.shape[1:])
+        kv = None if state.kv is None else (per_block(state.kv.k_lbskh), per_block(state.kv.v_lbskh))
+        rec = None if state.recurrent is None else jax.tree.map(per_block, state.recurrent)
+
+        def body(block, x, xs):
+            kv_cache, gdn = xs
+            new_kv, new_gdn = [], []
+            for layer in block.layers:
+                if layer.kind == "full_attention":
+                    a = len(new_kv)
+                    x, out = layer.decode(x, cos_bnr, sin_bnr, (kv_cache[0][a], kv_cache[1][a]), write_b,
+                                          kv_lengths_b)
+                    new_kv.append(out)
+                else:
+                    g = len(new_gdn)
+                    x, out = layer.decode(x, cos_bnr, sin_bnr, jax.tree.map(lambda s: s[g], gdn), write_b,
+                                          kv_lengths_b, valid_bn)
+                    new_gdn.append(out)
+            stack = lambda parts: jax.tree.map(lambda *a: jnp.stack(a), *parts) if parts else None
+            return x, (stack(new_kv), stack(new_gdn))
+
+        x_bnd, (kv_new, rec_new) = self.blocks.apply(body, x_bnd, (kv, rec), scan=self.cfg.runtime.scan_layers)
+        flat = lambda a: a.reshape((-1,) + a.shape[2:])     # [blocks, per block, ...] -> [layers, ...]
+        return x_bnd, NewTokenState(kv=None if kv_new is None else jax.tree.map(flat, kv_new),
+                                    recurrent=None if rec_new is None else jax.tree.map(flat, rec_new))
 
 def init_model(cfg: Qwen35MoeConfig, seed: int = 0) -> Qwen35MoeJudge:
     return Qwen35MoeJudge(cfg, rngs=nnx.Rngs(seed))

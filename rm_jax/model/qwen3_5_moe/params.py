@@ -93,6 +93,7 @@ _GDN_INVERSES = {
 # ---------------------------------------------------------------------------------------------
 
 _V = vl_params._V
+EMBED_KEY = "model.language_model.embed_tokens.weight"   # multimodal; text-only: text_prefix(cfg)
 
 
 def text_prefix(cfg: Qwen35MoeConfig) -> str:
