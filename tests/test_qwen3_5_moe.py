@@ -256,3 +256,51 @@ def test_35b_config_has_the_published_sizes():
         assert getattr(cfg.text, key) == getattr(ref, key), key
     assert cfg.text.layer_types == tuple(ref.layer_types) and cfg.text.attention_layers == tuple(range(3, 40, 4))
     assert cfg.text.rotary_dim == 64 and cfg.vision.out_hidden_size == 2048 and not cfg.vision.deepstack_visual_indexes
+
+
+@pytest.mark.slow   # the scorer's prompt buckets and shared-prefix path compiled on the hybrid decoder
+def test_scorer_p_pass_equals_transformers(renderer, synth_dir, tmp_path):
+    """rm_jax.score.Scorer on a tiny Qwen3.5 (loaded through the registry) reads P(pass) at the
+    verdict slot equal to transformers' softmax over {pass, fail} there (1e-5), images included;
+    the shared-prefix rows go through decode_tokens on the KV + GDN state."""
+    import os
+
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    from configs.tiny import model_config
+    from rm_jax.data.schema import Sample, read_samples
+    from rm_jax.data.target import VERDICT_FIRST
+    from rm_jax.score.scorer import Scorer
+    tiny = model_config().to_dict()
+    vision = {k: tiny["vision_config"][k] for k in ("depth", "hidden_size", "intermediate_size", "num_heads",
+                                                    "in_channels", "patch_size", "spatial_merge_size",
+                                                    "temporal_patch_size", "num_position_embeddings")}
+    d = dict(multimodal_config(), vision_config=dict(vision, out_hidden_size=48),
+             text_config=text_config(vocab_size=len(renderer.tokenizer)),
+             **{k: tiny[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                     "vision_end_token_id")})
+    torch.manual_seed(0)
+    hf = randomize(Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(**d)).float(), 4)
+    hf.save_pretrained(tmp_path)
+    model, cfg = load_hf(tmp_path)
+    got = [s for s in read_samples(os.path.join(synth_dir, "samples.jsonl")) if isinstance(s, Sample)]
+    samples = [s for s in got if s.images][:2] + [s for s in got if not s.images][:2]
+    scorer = Scorer(model, renderer, field_order=VERDICT_FIRST, buckets=(512, 768, 1024), batch_size=2,
+                    max_new_tokens=8, progress=False)
+    groups, alone = scorer._prefix_groups(scorer._render(samples)[0])
+    assert groups, "no shared-prefix group: the decode_tokens path would go untested"
+    scores = scorer.p_pass(samples)
+    v = renderer.verdict
+    for s, score in zip(samples, scores):
+        ji = renderer.render(s, with_target=False)
+        ids = np.concatenate([ji.input_ids, renderer.scoring_prefix_ids()])[None]
+        kw = dict(input_ids=torch.tensor(ids, dtype=torch.long))
+        if len(ji.image_grid_thw):
+            kw.update(pixel_values=torch.tensor(np.asarray(ji.pixel_values, np.float32)),
+                      image_grid_thw=torch.tensor(np.asarray(ji.image_grid_thw, np.int64)),
+                      mm_token_type_ids=torch.tensor((ids == cfg.image_token_id).astype(np.int64)))
+        with torch.no_grad():
+            logits = hf(**kw).logits[0, -1].double().numpy()
+        two = np.exp(logits[[v.pass_id, v.fail_id]] - logits[[v.pass_id, v.fail_id]].max())
+        assert score.slot_found and score.error is None
+        assert abs(score.p_pass - two[0] / two.sum()) < 1e-5, (s.id, score.p_pass, two[0] / two.sum())
