@@ -2,11 +2,13 @@
 
 Design choices:
 
-* **The table is rm_jax.model.hf's.** Each entry is an ``hf.Rule`` (HF key pattern, our param
-  path(s), an ``hf.Transform`` pair of exact-inverse numpy functions); the Qwen3-VL transforms
-  (k/v/o heads, the ViT's fused qkv and patch conv, the fused-expert layouts) are reused as they
-  are, and only Qwen3.5's own tensors get new transforms (the gated ``q_proj``, the GDN layer).
-  The safetensors reader/writer, shard-file discovery and shardings are ``hf``'s too.
+* **The table uses rm_jax.model.convert's records.** Each entry is a ``convert.Rule`` (HF key
+  pattern, our param path(s), a ``convert.Transform`` pair of exact-inverse numpy functions); the
+  Qwen3-VL transforms (k/v/o heads from ``qwen3_vl_moe.params``, the ViT's rules, the fused-expert
+  layouts) are reused as they are, and only Qwen3.5's own tensors get new transforms (the gated
+  ``q_proj``, the GDN layer). Safetensors IO is ``safetensors_io``'s, shardings ``placement``'s.
+  The layer placement below is Qwen3.5's own (scopes ``layer`` / ``attn`` / ``gdn`` over pattern
+  periods), so it expands its table itself and the registry routes load/save here.
 * **Layer placement.** HF layer ``i`` lives in block ``i // p``, sub-layer ``i % p`` of the one
   scanned stack (``model.layer_period``); scopes ``layer`` / ``attn`` / ``gdn`` say which layers
   a rule applies to.
