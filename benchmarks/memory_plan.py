@@ -19,6 +19,12 @@ default on; both are printed so the substitution is visible):
   ``jax.nn.dot_product_attention`` for an exact query-blocked version (O(T * block) memory, the
   same FLOPs), i.e. what a flash kernel needs; ``--attention=xla`` keeps the library's path, which
   is also what jax 0.10 runs on GPU (``implementation=None`` is XLA there too, see the notes).
+* FSDP expert all-gathers: XLA:CPU gathers bf16 as f32. ``--bf16_gather`` (default on for the
+  35B only, so the 30B table's plan is unchanged) gathers the bits as uint16, as NCCL moves bf16
+  (``make_bf16_gather_experts``).
+
+``--override=train.expert_grad_dtype=,train.vocab_chunk=8192`` compiles the config with those
+keys changed (the compiled-config line then says it differs from the file).
 
 FLOPs: XLA's cost analysis counts a while/scan body once, so the compiled figure is corrected with
 per-layer compiles (one decoder layer and one ViT block, fwd + remat + bwd, per-device shapes):
