@@ -1,6 +1,7 @@
 """Memory plan for the 30B-A3B judge: AOT-compile the real train step on an emulated 8-device mesh.
 
     python -m benchmarks.memory_plan [--variants=fsdp8,ep8,ep8_zero,fsdp8_img] [--grad_accum=4]
+    python -m benchmarks.memory_plan --model=qwen3_5_35b_a3b --variants=fsdp8     # Qwen3.5-35B-A3B
 
 No weights are allocated: the model is ``registry.abstract_model`` (nnx.eval_shape), the optimizer
 state ``jax.eval_shape(optimizer.init, ...)``, the batch ``ShapeDtypeStruct``s with the trainer's
@@ -18,6 +19,12 @@ default on; both are printed so the substitution is visible):
   ``jax.nn.dot_product_attention`` for an exact query-blocked version (O(T * block) memory, the
   same FLOPs), i.e. what a flash kernel needs; ``--attention=xla`` keeps the library's path, which
   is also what jax 0.10 runs on GPU (``implementation=None`` is XLA there too, see the notes).
+* FSDP expert all-gathers: XLA:CPU gathers bf16 as f32. ``--bf16_gather`` (default on for the
+  35B only, so the 30B table's plan is unchanged) gathers the bits as uint16, as NCCL moves bf16
+  (``make_bf16_gather_experts``).
+
+``--override=train.expert_grad_dtype=,train.vocab_chunk=8192`` compiles the config with those
+keys changed (the compiled-config line then says it differs from the file).
 
 FLOPs: XLA's cost analysis counts a while/scan body once, so the compiled figure is corrected with
 per-layer compiles (one decoder layer and one ViT block, fwd + remat + bwd, per-device shapes):
@@ -39,6 +46,10 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
+from rm_jax.model.config import RuntimeOptions, hf_config_dict  # noqa: E402
+from rm_jax.model.qwen3_5_moe.config import Qwen35MoeConfig  # noqa: E402
+from rm_jax.model.qwen3_5_moe.model import layer_period  # noqa: E402
+
 flags.DEFINE_list("variants", ["fsdp8@1", "fsdp8", "ep8", "ep8_zero", "fsdp8_vis", "fsdp8_vis_img"],
                   "variants to compile (see VARIANTS); NAME@A overrides --grad_accum")
 flags.DEFINE_integer("grad_accum", 4, "microbatches per step (global batch 32 / A per microbatch)")
@@ -50,10 +61,19 @@ flags.DEFINE_enum("attention", "chunked", ["chunked", "xla"], "attention lowerin
 flags.DEFINE_integer("attn_block", 512, "query block of the chunked attention")
 flags.DEFINE_bool("check_init_sharding", True, "also compile the optimizer init as StepBuilder.init_state places it")
 flags.DEFINE_bool("flops", True, "per-layer compiles to correct the scan-undercounted FLOPs")
+flags.DEFINE_bool("bf16_gather", None,
+                  "the ragged_dot stand-in all-gathers its bf16 expert weights in 16 bits, as a GPU does, not in "
+                  "XLA:CPU's f32 (see make_bf16_gather; default: on for qwen3_5_35b_a3b, off for "
+                  "qwen3_vl_30b_a3b, whose table was measured without it)")
+flags.DEFINE_list("override", [], "config keys to change before compiling, as KEY=VALUE (e.g. "
+                  "train.expert_grad_dtype=, train.vocab_chunk=8192); values are parsed as ints when they are")
+flags.DEFINE_enum("model", "qwen3_vl_30b_a3b", ["qwen3_vl_30b_a3b", "qwen3_5_35b_a3b"],
+                  "which configs/<model>.py to plan (the Qwen3.5 hybrid: its scan unit is one 4-layer block)")
 
 GIB = 1 << 30
 H200_BF16 = 989e12
 ORIG_ATTENTION = None
+ORIG_SHARDED_EXPERTS = None
 REPORT_S_PER_STEP = (7 * 3600 + 19 * 60) / 2299
 
 # name -> (mesh axes, moe backend, images?, rules override for weights)
@@ -79,6 +99,48 @@ def log(msg):
 # ---------------------------------------------------------------------------------------------
 # GPU-kernel-like stand-ins for the CPU lowerings
 # ---------------------------------------------------------------------------------------------
+
+def make_bf16_gather_experts(orig, mesh_axis: str):
+    """``moe.sharded_experts`` with its FSDP weight all-gather done as a GPU runs it: in 16 bits.
+
+    XLA:CPU cannot run a bf16 dot or collective, so its float normalization makes the gathers
+    at the experts' shard_map boundary f32; the simplifier then merges that upcast with the
+    master->bf16 cast, and loop invariant code motion lifts it out of both loops: f32 copies of
+    every stacked expert weight (15 GiB per device for the 35B) that no GPU allocates. Here the
+    gather comes first and is explicit (a shard_map all_gather over ``mesh_axis`` of the hidden
+    dim, the one the rules table shards), moving the bits as uint16, which CPU collectives do
+    natively; the experts' own boundary is then a no-op. The cotangent passes through unchanged
+    (the gather is the identity on the global array), so the weight gradients and their
+    reduce-scatters are the partitioner's, as before.
+    """
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    def gather_bits(w_ekn, axis):
+        def local(w):
+            bits = jax.lax.all_gather(jax.lax.bitcast_convert_type(w, jnp.uint16), mesh_axis, axis=axis, tiled=True)
+            return jax.lax.bitcast_convert_type(bits, w.dtype)
+        spec = P(*(mesh_axis if d == axis else None for d in range(w_ekn.ndim)))
+        return jax.shard_map(local, in_specs=spec, out_specs=P(), check_vma=False)(w_ekn)
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+    def gather(w_ekn, axis):
+        return gather_bits(w_ekn, axis)
+
+    gather.defvjp(lambda w, axis: (gather_bits(w, axis), None), lambda axis, _, g: (g,))
+
+    def sharded_experts(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd, *, mesh,
+                        expert_parallel: bool, **kw):
+        if not expert_parallel and wi_gate_edf.dtype == jnp.bfloat16:
+            # [E, H, I] gate/up and [E, I, H] down: H is the FSDP-sharded ("embed") dim
+            wi_gate_edf, wi_up_edf, wo_efd = gather(wi_gate_edf, 1), gather(wi_up_edf, 1), gather(wo_efd, 2)
+        return orig(x_td, weights_tk, experts_tk, wi_gate_edf, wi_up_edf, wo_efd, mesh=mesh,
+                    expert_parallel=expert_parallel, **kw)
+    return sharded_experts
+
 
 def make_ragged_dot_kernel_like(num_experts: int):
     import jax.numpy as jnp
@@ -224,7 +286,8 @@ def compile_variant(name, f):
     import optax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from configs import qwen3_vl_30b_a3b
+    import importlib
+
     from rm_jax.model import registry
     from rm_jax.sharding import make_mesh
     from rm_jax.train import loop, optim
@@ -232,26 +295,41 @@ def compile_variant(name, f):
 
     base, _, acc = name.partition("@")      # "fsdp8@1": variant fsdp8 with grad_accum 1
     axes, backend, images, rules = VARIANTS[base]
-    cfg = qwen3_vl_30b_a3b.get_config()
+    cfg = importlib.import_module(f"configs.{f.model}").get_config()
     as_configured = (dict(cfg.mesh), cfg.moe.backend)
+    for item in f.override:
+        key, sep, value = item.partition("=")
+        section, _, leaf = key.partition(".")
+        if not sep or not leaf or section not in cfg or leaf not in cfg[section]:
+            raise ValueError(f"--override={item!r}: expected SECTION.KEY=VALUE with an existing key")
+        cfg[section][leaf] = type(cfg[section][leaf])(value) if value.lstrip("-").isdigit() else value
     cfg.moe.backend = backend
     # The config's attention (cuDNN flash) is what --attention=chunked stands in for;
     # --attention=xla compiles XLA's [B, N, T, S] attention instead.
     if f.attention == "xla":
         cfg.train.attention = "xla"
+    elif cfg.train.attention == "auto":
+        # "auto" is the CPU kernel on this host; "xla" routes through jax.nn.dot_product_attention,
+        # which --attention=chunked replaces by the flash-like stand-in (a GPU's path, not a CPU's).
+        cfg.train.attention = "xla"
     cfg.mesh = type(cfg.mesh)({**dict(data=1, fsdp=1, expert=1, tensor=1), **axes})
     a, gb, t = int(acc or f.grad_accum), f.global_batch, f.seq
     cfg.train.grad_accum = a
     b = gb // a
-    mcfg = loop.model_config(cfg)
+    mcfg = plan_model_config(cfg)
     mesh = make_mesh(cfg.mesh, num_experts=mcfg.text.num_experts, global_batch=b)
     patches = f.patches_per_sample * b if images else 0
     compiled_cfg = compiled_config(cfg, f)
-    same = (dict(cfg.mesh), backend) == as_configured and rules is None and a == 4 and t == 8192 and not images
+    from rm_jax.model import moe as moe_lib
+    fsdp_only = backend == "ragged" and mesh.shape["fsdp"] == mesh.size > 1
+    moe_lib.sharded_experts = (make_bf16_gather_experts(ORIG_SHARDED_EXPERTS, "fsdp")
+                               if f.gpu_kernels and use_bf16_gather(f) and fsdp_only else ORIG_SHARDED_EXPERTS)
+    same = ((dict(cfg.mesh), backend) == as_configured and rules is None and a == 4 and t == 8192 and not images
+            and not f.override)
     log(f"[{name}] mesh {dict(mesh.shape)} backend {backend}; A={a} microbatch {b} x {t}; "
         f"patches/microbatch {patches}")
     log(f"[{name}] compiled config: " + " ".join(f"{k}={v}" for k, v in compiled_cfg.items())
-        + (" (= configs/qwen3_vl_30b_a3b.py)" if same else " (differs from configs/qwen3_vl_30b_a3b.py)"))
+        + (f" (= configs/{f.model}.py)" if same else f" (differs from configs/{f.model}.py)"))
 
     t0 = time.time()
     model = registry.abstract_model(mcfg)
@@ -308,6 +386,23 @@ def compile_variant(name, f):
                 config=compiled_cfg, same_as_30b_config=same)
 
 
+def plan_model_config(cfg):
+    """The typed model config of ``cfg`` (the Qwen3.5 parser for a qwen3_5_moe model section)."""
+    from rm_jax.model.qwen3_5_moe.config import Qwen35MoeConfig
+    from rm_jax.train import loop
+    if cfg.model.model_type != "qwen3_5_moe":
+        return loop.model_config(cfg)
+    t = cfg.train
+    runtime = RuntimeOptions(dtype=t.dtype, param_dtype=t.param_dtype, remat=t.remat, scan_layers=bool(t.scan_layers),
+                             moe_backend=cfg.moe.backend, ragged_dot=cfg.moe.get("ragged_dot", "auto"),
+                             attention=t.get("attention", "auto"))
+    return Qwen35MoeConfig.from_hf_dict(hf_config_dict(cfg.model.to_dict()), runtime)
+
+
+def use_bf16_gather(f) -> bool:
+    return f.model == "qwen3_5_35b_a3b" if f.bf16_gather is None else bool(f.bf16_gather)
+
+
 def compiled_config(cfg, f) -> dict:
     """The run-time choices this variant compiled, as config keys (and the CPU stand-ins used)."""
     t = cfg.train
@@ -317,7 +412,9 @@ def compiled_config(cfg, f) -> dict:
             "train.param_dtype": t.param_dtype, "train.mu_dtype": t.mu_dtype, "train.nu_dtype": t.nu_dtype,
             "train.expert_grad_dtype": t.expert_grad_dtype, "train.expert_accum_dtype": t.expert_accum_dtype,
             "train.remat": t.remat}
+    barrier = use_bf16_gather(f) and cfg.moe.backend == "ragged"
     keys["cpu_stand_ins"] = ",".join(x for x, on in (("ragged_dot", f.gpu_kernels),
+                                                      ("bf16_gather", f.gpu_kernels and barrier),
                                                       ("flash_attention", f.attention == "chunked")) if on) or "none"
     return keys
 
@@ -357,8 +454,21 @@ def layer_flops(mcfg, b_local: int, t: int, n_patches: int) -> tuple[float, floa
         mask = jnp.ones((b_local, t), jnp.int32) + 0 * ids
         return layer(x, cos, sin, AttentionMask(mask_b1ts=causal_padding_mask(mask)), mask)[0]
 
-    f_text = grad_flops(lambda: DecoderLayer(mcfg, LayerSpec("attention", "moe"), rngs=nnx.Rngs(0)), text_call,
-                        sds((b_local, t, tc.hidden_size), dt), sds((b_local, t), jnp.int32))
+    if isinstance(mcfg, Qwen35MoeConfig):     # the scan unit: one period of the layer pattern
+        from rm_jax.model.qwen3_5_moe.model import HybridBlock, layer_period, rope_tables
+        kinds = tuple(tc.layer_types[:layer_period(tc.layer_types)])
+
+        def block_call(block, x, ids):
+            pos = jnp.broadcast_to(jnp.arange(t), (3, b_local, t))
+            cos, sin = rope_tables(mcfg, pos, dt)
+            mask = jnp.ones((b_local, t), jnp.int32) + 0 * ids
+            for layer in block.layers:
+                x = layer(x, cos, sin, AttentionMask(mask_b1ts=causal_padding_mask(mask)), mask)[0]
+            return x
+        make, call = (lambda: HybridBlock(mcfg, kinds, rngs=nnx.Rngs(0))), block_call
+    else:
+        make, call = (lambda: DecoderLayer(mcfg, LayerSpec("attention", "moe"), rngs=nnx.Rngs(0))), text_call
+    f_text = grad_flops(make, call, sds((b_local, t, tc.hidden_size), dt), sds((b_local, t), jnp.int32))
     f_vis = 0.0
     if n_patches:
         def vis_call(block, x, seg):
@@ -374,8 +484,33 @@ def layer_flops(mcfg, b_local: int, t: int, n_patches: int) -> tuple[float, floa
     return f_text, f_vis
 
 
+def analytic_flops_qwen35(mcfg, tokens: int, samples: int, t: int, patches: int) -> dict:
+    """As ``analytic_flops`` for the hybrid: 6 * active params * tokens, causal attention in the
+    full-attention layers, and the chunked delta rule in the GDN layers (per token and value head,
+    forward: the state read q.S and write k^T v, 2 x 2 K V, plus intra-chunk q.k^T / P v,
+    2 C (K + V); x3 with the backward)."""
+    tc, vc = mcfg.text, mcfg.vision
+    h, n_attn = tc.hidden_size, len(tc.attention_layers)
+    n_gdn = tc.num_hidden_layers - n_attn
+    g = tc.gdn()
+    attn_w = h * tc.head_dim * (2 * 2 * tc.num_attention_heads + 2 * tc.num_key_value_heads)
+    gdn_w = h * (g.conv_dim + g.value_dim + 2 * g.num_value_heads) + g.value_dim * h
+    moe_w = (tc.num_experts_per_tok * 3 * h * tc.moe_intermediate_size + 3 * h * tc.shared_expert_intermediate_size
+             + h * (tc.num_experts + 1))
+    active = n_attn * attn_w + n_gdn * gdn_w + tc.num_hidden_layers * moe_w
+    attn = 3 * 2 * 2 * t * t * tc.num_attention_heads * tc.head_dim * n_attn * samples / 2
+    delta = 3 * n_gdn * tokens * g.num_value_heads * (
+        4 * g.key_head_dim * g.value_head_dim + 2 * g.chunk_size * (g.key_head_dim + g.value_head_dim))
+    vit_w = vc.depth * (4 * vc.hidden_size ** 2 + 2 * vc.hidden_size * vc.intermediate_size)
+    total = 6 * active * tokens + attn + delta + 6 * vit_w * patches
+    return {"active_params": active, "decoder": 6 * active * tokens, "attention_causal": attn + delta,
+            "vit": 6 * vit_w * patches, "total": total}
+
+
 def analytic_flops(mcfg, tokens: int, samples: int, t: int, patches: int) -> dict:
     """6 * active params * tokens + causal attention (model FLOPs, no remat recompute)."""
+    if isinstance(mcfg, Qwen35MoeConfig):
+        return analytic_flops_qwen35(mcfg, tokens, samples, t, patches)
     tc, vc = mcfg.text, mcfg.vision
     h = tc.hidden_size
     attn_w = h * tc.head_dim * (2 * tc.num_attention_heads + 2 * tc.num_key_value_heads)
@@ -397,13 +532,14 @@ def main(argv):
     f = flags.FLAGS
     log(f"jax {jax.__version__}; {jax.device_count()} emulated {jax.devices()[0].platform} devices; "
         f"gpu_kernels={f.gpu_kernels} attention={f.attention}")
-    global ORIG_ATTENTION
+    global ORIG_ATTENTION, ORIG_SHARDED_EXPERTS
     ORIG_ATTENTION = jax.nn.dot_product_attention
+    ORIG_SHARDED_EXPERTS = moe_lib.sharded_experts
     if f.gpu_kernels:
         # As on a GPU host: "auto" picks the grouped-matmul kernel (not the CPU tiled loop), whose
         # CPU lowering is then replaced by the kernel-like stand-in.
         moe_lib.resolve_ragged_dot = lambda impl: "tokamax" if impl == "auto" else impl
-        moe_lib._ragged_dot = make_ragged_dot_kernel_like(128)
+        moe_lib._ragged_dot = make_ragged_dot_kernel_like(256 if f.model == "qwen3_5_35b_a3b" else 128)
     if f.attention == "chunked":
         jax.nn.dot_product_attention = make_chunked_attention(jax.nn.dot_product_attention, f.attn_block)
 
@@ -429,8 +565,15 @@ def main(argv):
                     f"(per device, fwd+remat+bwd)")
             f_text, f_vis = flops_cache[key]
             n_text, n_vis = mcfg.text.num_hidden_layers, mcfg.vision.depth
-            per_dev = (r["raw_flops_per_device"] + (a * n_text - 4) * f_text
-                       + ((a * n_vis - 4) * f_vis if patches else 0.0))
+            if isinstance(mcfg, Qwen35MoeConfig):
+                # One scanned block body (f_text is a whole block) and one ViT run (no deepstack
+                # cuts) are what the raw number counts.
+                n_blocks = n_text // layer_period(mcfg.text.layer_types)
+                per_dev = (r["raw_flops_per_device"] + (a * n_blocks - 1) * f_text
+                           + ((a * n_vis - 1) * f_vis if patches else 0.0))
+            else:
+                per_dev = (r["raw_flops_per_device"] + (a * n_text - 4) * f_text
+                           + ((a * n_vis - 4) * f_vis if patches else 0.0))
             corrected = per_dev * n_dev
         r.update(analytic=ana, flops_per_step=corrected or ana["total"],
                  raw_cost_analysis_flops_per_step=r["raw_flops_per_device"] * n_dev,

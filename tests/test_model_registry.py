@@ -1,9 +1,9 @@
 """The architecture registry (by config.json's model_type) and the layer-spec records.
 
-* An unknown model_type, a missing one, and a Qwen3.5 config.json (until qwen3_5_moe is
-  registered) are refused by name with the known list, through every entry point: the registry,
-  ``load_hf`` on a checkpoint dir, and Qwen3-VL's own parser (which must not parse another
-  architecture's config field by field).
+* An unknown model_type and a missing one are refused by name with the known list; Qwen3.5's
+  two model types (multimodal, text-only) are registered and parse to their own config, through
+  the registry and a checkpoint dir's config.json, while Qwen3-VL's own parser still refuses
+  them by name (it must not parse another architecture's config field by field).
 * ``ModelConfig.layer_specs`` follows transformers' sparse-layer rule; ``group_layers`` cuts runs
   of equal specs, deepstack layers alone; ``kind_offsets`` indexes each group into its kind's
   decode-state stack.
@@ -41,11 +41,15 @@ def test_known_model_types():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
-def test_unknown_model_type_is_refused_by_name(model_type):
+def test_unknown_model_type_is_refused_by_name(model_type, tmp_path):
     d = dict(_vl_dict(), model_type=model_type)
     with pytest.raises(registry.UnknownModelType, match=rf"model_type='{model_type}' is not supported.*"
                                                         r"known model types: \[.*'qwen3_vl_moe'"):
         config_from_hf_dict(d)
+    # And so does loading a checkpoint dir (before any weight is read).
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=rf"config.json: config: model_type='{model_type}' is not supported"):
+        load_hf(tmp_path)
 
 
 def test_missing_model_type_is_refused():
@@ -55,21 +59,29 @@ def test_missing_model_type_is_refused():
         config_from_hf_dict(d)
 
 
-def test_qwen3_5_config_is_refused_by_name(tmp_path):
+def test_qwen3_5_configs_are_accepted(tmp_path):
+    from transformers import Qwen3_5MoeTextConfig
+
+    from rm_jax.model.convert import read_config
+    from rm_jax.model.qwen3_5_moe.config import Qwen35MoeConfig
+    from rm_jax.model.qwen3_5_moe.model import Qwen35MoeJudge
+    assert {"qwen3_5_moe", "qwen3_5_moe_text"} <= set(registry.known_model_types())
     d = _qwen3_5_dict()
-    if "qwen3_5_moe" in registry.known_model_types():
-        pytest.skip("qwen3_5_moe is registered")
-    with pytest.raises(registry.UnknownModelType, match="model_type='qwen3_5_moe' is not supported") as e:
-        config_from_hf_dict(d)
-    assert "intermediate_size" not in str(e.value)
-    # Qwen3-VL's parser itself refuses it by name, even with the key whose absence once misled.
+    cfg = config_from_hf_dict(d)
+    assert isinstance(cfg, Qwen35MoeConfig) and not cfg.text_only
+    assert cfg.text.layer_types == tuple(d["text_config"]["layer_types"])
+    assert registry.architecture_of(cfg).model_class is Qwen35MoeJudge
+    text_cfg = config_from_hf_dict(Qwen3_5MoeTextConfig().to_dict())
+    assert isinstance(text_cfg, Qwen35MoeConfig) and text_cfg.text_only
+    model = registry.abstract_model(text_cfg)       # shapes only
+    assert isinstance(model, Qwen35MoeJudge) and isinstance(model, JudgeModel)
+    # A checkpoint dir's config.json goes through the same dispatch.
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert read_config(tmp_path) == cfg
+    # Qwen3-VL's parser still refuses it by name, even with the key whose absence once misled.
     d["text_config"]["intermediate_size"] = 64
     with pytest.raises(ConfigError, match="model_type='qwen3_5_moe' is not a Qwen3-VL-MoE config"):
         ModelConfig.from_hf_dict(d)
-    # And so does loading a checkpoint dir (before any weight is read).
-    (tmp_path / "config.json").write_text(json.dumps(d))
-    with pytest.raises(CheckpointError, match=r"config.json: config: model_type='qwen3_5_moe' is not supported"):
-        load_hf(tmp_path)
 
 
 def test_layer_specs_follow_the_sparse_rule():

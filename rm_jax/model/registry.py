@@ -101,6 +101,16 @@ def _register_builtin() -> None:
     register(Architecture(model_type=vl_config.MODEL_TYPE, config_from_hf=vl_config.ModelConfig.from_hf_dict,
                           model_class=vl_model.Qwen3VLMoeJudge, key_table=vl_params.key_table,
                           embed_key=vl_params.EMBED_KEY, head_key=vl_params.HEAD_KEY))
+    from rm_jax.model.qwen3_5_moe import config as q35_config
+    from rm_jax.model.qwen3_5_moe import model as q35_model
+    from rm_jax.model.qwen3_5_moe import params as q35_params
+    # Multimodal and text-only (ForCausalLM) checkpoints: one config record, one model class; its
+    # own load/save handle both expert layouts and the text-only key prefix.
+    for model_type in q35_config.MODEL_TYPES:
+        register(Architecture(model_type=model_type, config_from_hf=q35_config.Qwen35MoeConfig.from_hf_dict,
+                              model_class=q35_model.Qwen35MoeJudge, key_table=q35_params.expand_rules,
+                              embed_key=q35_params.EMBED_KEY, load_hf=q35_params.load_hf,
+                              save_hf=q35_params.save_hf))
 
 
 _register_builtin()

@@ -1,0 +1,86 @@
+"""Qwen3.5-35B-A3B: the field report's policy base (40 layers, every 4th gated full attention and
+the rest Gated DeltaNet, 256 experts top-8 plus a shared expert, 27-block ViT without deepstack).
+
+Sizes are those of the published ``config.json`` (transformers' Qwen3_5MoeConfig keys, whose
+defaults are this model), so ``Qwen35MoeConfig.from_hf_dict(model_config())`` builds the model
+``rm_jax.model.qwen3_5_moe.params.load_hf`` reads from the checkpoint. Everything outside the model
+section is the 30B config's: the report's recipe on one 8-GPU host.
+
+Usage: --config=configs/qwen3_5_35b_a3b.py
+"""
+
+import ml_collections
+
+from configs import qwen3_vl_30b_a3b
+
+N_LAYERS = 40
+FULL_ATTENTION_INTERVAL = 4
+
+
+def model_config() -> ml_collections.ConfigDict:
+    """HF-style Qwen3.5-MoE config (keys as in transformers' Qwen3_5MoeConfig)."""
+    return ml_collections.ConfigDict(dict(
+        model_type="qwen3_5_moe",
+        image_token_id=248056,
+        video_token_id=248057,
+        vision_start_token_id=248053,
+        vision_end_token_id=248054,
+        tie_word_embeddings=False,
+        text_config=dict(
+            model_type="qwen3_5_moe_text",
+            vocab_size=248320,
+            hidden_size=2048,
+            num_hidden_layers=N_LAYERS,
+            layer_types=tuple("full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+                              for i in range(N_LAYERS)),
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            rms_norm_eps=1e-6,
+            hidden_act="silu",
+            attention_bias=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                                 mrope_section=(11, 11, 10), mrope_interleaved=True),
+            tie_word_embeddings=False,
+            max_position_embeddings=262144,
+        ),
+        vision_config=dict(
+            model_type="qwen3_5_moe_vision",
+            depth=27,
+            hidden_size=1152,
+            intermediate_size=4304,
+            num_heads=16,
+            in_channels=3,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=2048,
+            num_position_embeddings=2304,
+        ),
+    ))
+
+
+def get_config() -> ml_collections.ConfigDict:
+    cfg = qwen3_vl_30b_a3b.get_config()
+    cfg.name = "qwen3_5_35b_a3b"
+    cfg.model = model_config()
+    # Full-attention head_dim is 256, beyond the cuDNN flash head dims layers.choose_attention
+    # admits (<= 128): "auto" picks XLA's attention on GPU and logs why, rather than failing.
+    cfg.train.attention = "auto"
+    # Memory (benchmarks/memory_plan.py, WORKSPACE.md's 35B table): grad_accum stays 4, one
+    # 8,192-token sequence per device on fsdp=8 (8 or 16 leave a microbatch the mesh cannot split);
+    # expert grads and their accumulator stay bf16 (fp32 lowers only XLA:CPU's plan, whose excess is
+    # its f32 copies of the bf16 layer-stacked expert weights; on a GPU fp32 adds 7.5 GiB/device).
+    cfg.train.grad_accum = 4
+    cfg.train.expert_grad_dtype = "bfloat16"
+    cfg.train.expert_accum_dtype = "bfloat16"
+    return cfg
