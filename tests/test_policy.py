@@ -120,11 +120,37 @@ def test_policy_export_then_init_from_is_bit_identical(tiny_cfg, synth_dir, tmp_
         assert a.dtype == b.dtype and np.array_equal(a, b), p
 
 
-def test_policy_stage_cache_reused_when_unchanged_and_rebuilt_when_inputs_change(tmp_path, monkeypatch):
+@pytest.fixture
+def policy_sft_module():
+    """launch.policy_sft imported into this worker's global absl flags, and taken out again after:
+    its --input/--out/... would clash with another launch module (launch.convert) imported
+    in-process by a test that runs later, or earlier, on the same xdist worker."""
+    import importlib
+
+    from absl import flags
+    names = ("input", "out", "tokenizer", "steps", "force")
+    saved = {n: flags.FLAGS[n] for n in names if n in flags.FLAGS}
+    for n in saved:
+        delattr(flags.FLAGS, n)
+    sys.modules.pop("launch.policy_sft", None)
+    try:
+        yield importlib.import_module("launch.policy_sft")
+    finally:
+        flags.FLAGS.unparse_flags()
+        for n in names:
+            if n in flags.FLAGS:
+                delattr(flags.FLAGS, n)
+        for n, flag in saved.items():
+            flags.FLAGS[n] = flag
+        sys.modules.pop("launch.policy_sft", None)
+
+
+def test_policy_stage_cache_reused_when_unchanged_and_rebuilt_when_inputs_change(tmp_path, monkeypatch,
+                                                                                  policy_sft_module):
     """launch.policy_sft skips every stage when the cache key matches, runs them when it does not."""
     from absl import flags
 
-    from launch import policy_sft
+    policy_sft = policy_sft_module
     from rm_jax.data import policy as policy_lib
     data = tmp_path / "data"
     (data / "tokenizer").mkdir(parents=True)
