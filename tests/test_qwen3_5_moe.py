@@ -127,7 +127,8 @@ def test_config_parses_pattern_and_refuses_bad_types(multimodal):
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 def test_multimodal_parity_both_expert_layouts(multimodal, layout, caplog):
     hf, per_expert, fused, (ids, mask, pixels, grids), ref = multimodal
-    with caplog.at_level("INFO"):
+    # absl's logger: its level follows --verbosity once a test in this worker parsed absl flags
+    with caplog.at_level("INFO", logger="absl"):
         model, cfg = load_hf(per_expert if layout == "per_expert" else fused)
     assert cfg.hf_expert_layout == ("per_expert" if layout == "per_expert" else "out_in")
     if layout == "fused":
