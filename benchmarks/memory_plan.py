@@ -8,7 +8,7 @@ state ``jax.eval_shape(optimizer.init, ...)``, the batch ``ShapeDtypeStruct``s w
 shardings. The step is ``StepBuilder._train_step`` jitted by ``StepBuilder.jit_train`` exactly as
 ``rm_jax.train.loop.run`` does, lowered and compiled for 8 CPU devices.
 
-Two CPU lowerings are *not* what an H200 runs, and the plan replaces them (``--gpu_kernels``,
+These CPU lowerings are *not* what an H200 runs, and the plan replaces them (``--gpu_kernels``,
 default on; both are printed so the substitution is visible):
 
 * ``ragged_dot``: XLA:CPU expands a grouped matmul into a masked dense matmul over every expert
@@ -19,6 +19,11 @@ default on; both are printed so the substitution is visible):
   ``jax.nn.dot_product_attention`` for an exact query-blocked version (O(T * block) memory, the
   same FLOPs), i.e. what a flash kernel needs; ``--attention=xla`` keeps the library's path, which
   is also what jax 0.10 runs on GPU (``implementation=None`` is XLA there too, see the notes).
+* bf16 stacks in the layer scan: XLA:CPU slices an f32 copy of each whole stack. ``--bf16_slices``
+  (default on for the 35B only) scans them as packed bits (``rm_jax.model.layer_stack.bf16_bit_codec``).
+* Reductions of converted stacks: XLA:CPU's YNNPACK reduction fusions take no fused producer, so the
+  global norm of the bf16 expert gradients first writes an f32 copy of them. ``--bf16_reductions``
+  (default on for the 35B only) turns those fusions off (``--xla_cpu_experimental_ynn_fusion_type=``).
 * FSDP expert all-gathers: XLA:CPU gathers bf16 as f32. ``--bf16_gather`` (default on for the
   35B only, so the 30B table's plan is unchanged) gathers the bits as uint16, as NCCL moves bf16
   (``make_bf16_gather_experts``).
@@ -41,12 +46,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from rm_jax.model.config import RuntimeOptions, hf_config_dict  # noqa: E402
 from rm_jax.model.qwen3_5_moe.config import Qwen35MoeConfig  # noqa: E402
 from rm_jax.model.qwen3_5_moe.model import layer_period  # noqa: E402
 
@@ -65,6 +68,14 @@ flags.DEFINE_bool("bf16_gather", None,
                   "the ragged_dot stand-in all-gathers its bf16 expert weights in 16 bits, as a GPU does, not in "
                   "XLA:CPU's f32 (see make_bf16_gather; default: on for qwen3_5_35b_a3b, off for "
                   "qwen3_vl_30b_a3b, whose table was measured without it)")
+flags.DEFINE_bool("bf16_slices", None,
+                  "the layer scan slices bf16 stacks as their bits, as a GPU does, not as XLA:CPU's f32 copies of "
+                  "each whole stack (see layer_stack.bf16_bit_codec; default: on for qwen3_5_35b_a3b, off for "
+                  "qwen3_vl_30b_a3b, whose table was measured without it)")
+flags.DEFINE_bool("bf16_reductions", None,
+                  "turn off XLA:CPU's YNNPACK reduction fusions, which take no fused producer: a reduction of a "
+                  "converted bf16 stack (the global norm of the bf16 expert gradients) then materializes an f32 "
+                  "copy of it, which a GPU reduction fusion does not (default: on for qwen3_5_35b_a3b)")
 flags.DEFINE_list("override", [], "config keys to change before compiling, as KEY=VALUE (e.g. "
                   "train.expert_grad_dtype=, train.vocab_chunk=8192); values are parsed as ints when they are")
 flags.DEFINE_enum("model", "qwen3_vl_30b_a3b", ["qwen3_vl_30b_a3b", "qwen3_5_35b_a3b"],
@@ -238,7 +249,6 @@ def abstract_batch(mcfg, a: int, b: int, t: int, patches: int, frame_patches: in
 
 def weight_shardings(params, mesh, rules_override):
     import numpy as np
-    from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
     from rm_jax.model.placement import param_shardings
@@ -283,7 +293,6 @@ def per_device_bytes(tree) -> float:
 def compile_variant(name, f):
     import jax
     import jax.numpy as jnp
-    import optax
     from jax.sharding import NamedSharding, PartitionSpec
 
     import importlib
@@ -316,7 +325,7 @@ def compile_variant(name, f):
     a, gb, t = int(acc or f.grad_accum), f.global_batch, f.seq
     cfg.train.grad_accum = a
     b = gb // a
-    mcfg = plan_model_config(cfg)
+    mcfg = loop.model_config(cfg)
     mesh = make_mesh(cfg.mesh, num_experts=mcfg.text.num_experts, global_batch=b)
     patches = f.patches_per_sample * b if images else 0
     compiled_cfg = compiled_config(cfg, f)
@@ -324,6 +333,9 @@ def compile_variant(name, f):
     fsdp_only = backend == "ragged" and mesh.shape["fsdp"] == mesh.size > 1
     moe_lib.sharded_experts = (make_bf16_gather_experts(ORIG_SHARDED_EXPERTS, "fsdp")
                                if f.gpu_kernels and use_bf16_gather(f) and fsdp_only else ORIG_SHARDED_EXPERTS)
+    from rm_jax.model import layer_stack
+    layer_stack.STACK_CODEC = (layer_stack.bf16_bit_codec() if f.gpu_kernels and use_bf16_slices(f)
+                               else layer_stack.IDENTITY_CODEC)
     same = ((dict(cfg.mesh), backend) == as_configured and rules is None and a == 4 and t == 8192 and not images
             and not f.override)
     log(f"[{name}] mesh {dict(mesh.shape)} backend {backend}; A={a} microbatch {b} x {t}; "
@@ -386,21 +398,16 @@ def compile_variant(name, f):
                 config=compiled_cfg, same_as_30b_config=same)
 
 
-def plan_model_config(cfg):
-    """The typed model config of ``cfg`` (the Qwen3.5 parser for a qwen3_5_moe model section)."""
-    from rm_jax.model.qwen3_5_moe.config import Qwen35MoeConfig
-    from rm_jax.train import loop
-    if cfg.model.model_type != "qwen3_5_moe":
-        return loop.model_config(cfg)
-    t = cfg.train
-    runtime = RuntimeOptions(dtype=t.dtype, param_dtype=t.param_dtype, remat=t.remat, scan_layers=bool(t.scan_layers),
-                             moe_backend=cfg.moe.backend, ragged_dot=cfg.moe.get("ragged_dot", "auto"),
-                             attention=t.get("attention", "auto"))
-    return Qwen35MoeConfig.from_hf_dict(hf_config_dict(cfg.model.to_dict()), runtime)
-
-
 def use_bf16_gather(f) -> bool:
     return f.model == "qwen3_5_35b_a3b" if f.bf16_gather is None else bool(f.bf16_gather)
+
+
+def use_bf16_reductions(f) -> bool:
+    return f.model == "qwen3_5_35b_a3b" if f.bf16_reductions is None else bool(f.bf16_reductions)
+
+
+def use_bf16_slices(f) -> bool:
+    return f.model == "qwen3_5_35b_a3b" if f.bf16_slices is None else bool(f.bf16_slices)
 
 
 def compiled_config(cfg, f) -> dict:
@@ -415,6 +422,8 @@ def compiled_config(cfg, f) -> dict:
     barrier = use_bf16_gather(f) and cfg.moe.backend == "ragged"
     keys["cpu_stand_ins"] = ",".join(x for x, on in (("ragged_dot", f.gpu_kernels),
                                                       ("bf16_gather", f.gpu_kernels and barrier),
+                                                      ("bf16_slices", f.gpu_kernels and use_bf16_slices(f)),
+                                                      ("no_ynn_reductions", f.gpu_kernels and use_bf16_reductions(f)),
                                                       ("flash_attention", f.attention == "chunked")) if on) or "none"
     return keys
 
@@ -526,10 +535,13 @@ def analytic_flops(mcfg, tokens: int, samples: int, t: int, patches: int) -> dic
 
 def main(argv):
     del argv
+    f = flags.FLAGS
+    if f.gpu_kernels and use_bf16_reductions(f):
+        # read when the CPU backend starts (the first jax.devices() below), so set before it
+        os.environ["XLA_FLAGS"] += " --xla_cpu_experimental_ynn_fusion_type="
     import jax
 
     from rm_jax.model import moe as moe_lib
-    f = flags.FLAGS
     log(f"jax {jax.__version__}; {jax.device_count()} emulated {jax.devices()[0].platform} devices; "
         f"gpu_kernels={f.gpu_kernels} attention={f.attention}")
     global ORIG_ATTENTION, ORIG_SHARDED_EXPERTS

@@ -76,11 +76,6 @@ def get_config() -> ml_collections.ConfigDict:
     # Full-attention head_dim is 256, beyond the cuDNN flash head dims layers.choose_attention
     # admits (<= 128): "auto" picks XLA's attention on GPU and logs why, rather than failing.
     cfg.train.attention = "auto"
-    # Memory (benchmarks/memory_plan.py, WORKSPACE.md's 35B table): grad_accum stays 4, one
-    # 8,192-token sequence per device on fsdp=8 (8 or 16 leave a microbatch the mesh cannot split);
-    # expert grads and their accumulator stay bf16 (fp32 lowers only XLA:CPU's plan, whose excess is
-    # its f32 copies of the bf16 layer-stacked expert weights; on a GPU fp32 adds 7.5 GiB/device).
-    cfg.train.grad_accum = 4
-    cfg.train.expert_grad_dtype = "bfloat16"
-    cfg.train.expert_accum_dtype = "bfloat16"
+    # Memory: the 30B recipe's grad_accum=4 and bf16 expert grads/accumulator, unchanged
+    # (benchmarks/memory_plan.py --model=qwen3_5_35b_a3b; WORKSPACE.md's 35B table).
     return cfg

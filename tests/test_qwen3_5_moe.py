@@ -157,6 +157,21 @@ def test_round_trip_bit_exact_and_transformers_loads_export(multimodal, layout, 
     if layout == "per_expert":
         back = Qwen3_5MoeForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
         np.testing.assert_array_equal(hf_logits(back, ids, mask, pixels, grids), ref)
+    else:
+        # streamed in shards (with an index) when over max_shard_bytes: same tensors, and it loads back
+        shards = tmp_path / "sharded"
+        save_hf(model, shards, max_shard_bytes=64 << 10)
+        index = json.loads((shards / "model.safetensors.index.json").read_text())
+        files = sorted(shards.glob("model-*-of-*.safetensors"))
+        assert len(files) > 2 and set(index["weight_map"].values()) == {f.name for f in files}
+        assert set(index["weight_map"]) == set(b.keys()) and not (shards / "model.safetensors").exists()
+        for f in files:
+            part = SafetensorsFile(f)
+            for key in part.keys():
+                assert np.array_equal(part.get(key).view(np.uint8), b.get(key).view(np.uint8)), key
+        again, _ = load_hf(shards)
+        for x, y in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(again))):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_padding_never_reaches_gdn_state(multimodal):

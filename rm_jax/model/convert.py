@@ -218,6 +218,53 @@ def _zeros_fn(shape, dtype, sharding):
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
+class ParamFiller:
+    """Fills an abstract model's params from checkpoint tensors, each placed on its sharding as it
+    arrives (a stacked target one layer at a time), and checks at the end that every param was
+    filled exactly. Shared by every architecture's loader."""
+
+    def __init__(self, model, mesh, pdtype):
+        self.graphdef, state = nnx.split(model)
+        self.flat = dict(nnx.to_flat_state(state))
+        self.shardings = ({p: v.get_value() for p, v in nnx.to_flat_state(param_shardings(state, mesh))}
+                          if mesh is not None else {})
+        self.mesh, self.pdtype = mesh, pdtype
+        self.values: dict[tuple, jax.Array] = {}
+        self.filled: dict[tuple, set] = {p: set() for p in self.flat}
+
+    def put(self, file, key: str, arrays, targets) -> None:
+        """``arrays[i]`` (already in rm_jax's layout) goes to ``targets[i]``."""
+        for target, arr in zip(targets, arrays):
+            var, sharding = self.flat[target.path], self.shardings.get(target.path)
+            want = var.shape if target.index is None else var.shape[1:]
+            if tuple(arr.shape) != tuple(want):
+                raise CheckpointError(f"{file}: {key} gives {tuple(arr.shape)} for "
+                                      f"{'.'.join(map(str, target.path))} which needs {tuple(want)}")
+            arr = np.asarray(arr).astype(self.pdtype)
+            if target.index is None:
+                self.values[target.path] = jax.device_put(arr, sharding) if sharding else jnp.asarray(arr)
+            else:
+                if target.path not in self.values:
+                    self.values[target.path] = _zeros_fn(tuple(var.shape), self.pdtype, sharding)()
+                layer_sharding = (NamedSharding(self.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+                                  if sharding else None)
+                val = jax.device_put(arr, layer_sharding) if layer_sharding else jnp.asarray(arr)
+                self.values[target.path] = _set_layer_fn(sharding)(self.values[target.path], val, target.index)
+            self.filled[target.path].add(target.index)
+
+    def model(self, hf_dir, table):
+        """The filled model; refuses a param that no key (or not every layer's key) filled."""
+        stacked = {t.path for _, targets in table.values() for t in targets if t.index is not None}
+        for path, var in self.flat.items():
+            if self.filled[path] != (set(range(var.shape[0])) if path in stacked else {None}):
+                raise CheckpointError(f"{hf_dir}: param {'.'.join(map(str, path))} was not completely filled "
+                                      f"(no checkpoint key maps to it)")
+        model = nnx.merge(self.graphdef, nnx.from_flat_state([(p, self.flat[p].replace(self.values[p]))
+                                                              for p in self.flat]))
+        model.mesh = self.mesh
+        return model
+
+
 # ---------------------------------------------------------------------------------------------
 # Load
 # ---------------------------------------------------------------------------------------------
@@ -301,17 +348,11 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
         logging.warning("%s: config.json ties the LM head to the embedding, but the checkpoint stores a "
                         "different lm_head.weight: loading it untied, as transformers does", hf_dir)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
-    model = registry.abstract_model(cfg)
-    graphdef, state = nnx.split(model)
-    flat = dict(nnx.to_flat_state(state))
-    shardings = ({p: v.get_value() for p, v in nnx.to_flat_state(param_shardings(state, mesh))}
-                 if mesh is not None else {})
+    filler = ParamFiller(registry.abstract_model(cfg), mesh, pdtype)
     table = arch.key_table(cfg)
     ctx = {"expert_layout": _expert_layout_from_headers(
         index, cfg, EXPERT_LAYOUTS.get(expert_layout) if expert_layout else None)}
 
-    values: dict[tuple, jax.Array] = {}
-    filled: dict[tuple, set] = {p: set() for p in flat}
     seen: set[str] = set()
     unknown: list[str] = []
     for file in files:
@@ -325,25 +366,7 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
                 continue
             rule, targets = table[key]
             ctx["key"] = key
-            arrays = rule.transform.to_ours(st.get(key), cfg, ctx)
-            for target, arr in zip(targets, arrays):
-                var = flat[target.path]
-                sharding = shardings.get(target.path)
-                want = var.shape if target.index is None else var.shape[1:]
-                if tuple(arr.shape) != tuple(want):
-                    raise CheckpointError(f"{file}: {key} gives {tuple(arr.shape)} for "
-                                          f"{'.'.join(map(str, target.path))} which needs {tuple(want)}")
-                arr = np.asarray(arr).astype(pdtype)
-                if target.index is None:
-                    values[target.path] = jax.device_put(arr, sharding) if sharding else jnp.asarray(arr)
-                else:
-                    if target.path not in values:
-                        values[target.path] = _zeros_fn(tuple(var.shape), pdtype, sharding)()
-                    layer_sharding = (NamedSharding(mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
-                                      if sharding else None)
-                    val = jax.device_put(arr, layer_sharding) if layer_sharding else jnp.asarray(arr)
-                    values[target.path] = _set_layer_fn(sharding)(values[target.path], val, target.index)
-                filled[target.path].add(target.index)
+            filler.put(file, key, rule.transform.to_ours(st.get(key), cfg, ctx), targets)
             seen.add(key)
         del st
     if unknown:
@@ -352,14 +375,7 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
     missing = sorted(k for k in table if k not in seen)
     if missing:
         raise CheckpointError(f"{hf_dir}: {len(missing)} params missing from the checkpoint, e.g. {missing[:5]}")
-    stacked = {t.path for _, targets in table.values() for t in targets if t.index is not None}
-    for path, var in flat.items():
-        need = set(range(var.shape[0])) if path in stacked else {None}
-        if filled[path] != need:
-            raise CheckpointError(f"{hf_dir}: param {'.'.join(map(str, path))} was not completely filled "
-                                  f"(no checkpoint key maps to it)")
-    model = nnx.merge(graphdef, nnx.from_flat_state([(p, flat[p].replace(values[p])) for p in flat]))
-    model.mesh = mesh
+    model = filler.model(hf_dir, table)
     cfg = dataclasses.replace(cfg, hf_expert_layout=ctx.get("detected_layout") or ctx["expert_layout"],
                               hf_tensor_dtypes={k: index[k][2] for k in seen})
     model.cfg = cfg
@@ -374,32 +390,12 @@ def _np_dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def save_hf(model: "JudgeModel", out_dir, *, dtype=None, expert_layout: str | None = None,
-            max_shard_bytes: int = 4 << 30) -> Path:
-    """Write safetensors + config.json that transformers' ``from_pretrained`` (of the class the
-    config names) loads. ``expert_layout`` defaults to the layout the model was loaded from (else
-    transformers')."""
-    from rm_jax.model import registry
-    cfg = model.cfg
-    arch = registry.architecture_of(cfg)
-    if arch.save_hf is not None:
-        return arch.save_hf(model, out_dir, dtype=dtype, expert_layout=expert_layout)
-    layout = EXPERT_LAYOUTS[expert_layout or cfg.hf_expert_layout or "out_in"]
-    # Each tensor goes back in the dtype it was loaded from (bf16 -> fp32 -> bf16 is exact, and a
-    # checkpoint with fp32 norms among bf16 weights keeps them); ``dtype`` forces one for all.
-    # Without a record (a model built here), config.json's "dtype", else the runtime's.
-    recorded = dict(cfg.hf_tensor_dtypes or {})
-    fallback = _np_dtype(str(dtype or cfg.extra.get("dtype") or cfg.extra.get("torch_dtype")
-                             or cfg.runtime.param_dtype))
-    forced = _np_dtype(str(dtype)) if dtype is not None else None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    flat = {p: v for p, v in nnx.to_flat_state(nnx.state(model))}
-    ctx = {"expert_layout": layout}
-
-    # Streamed: each shard is written (under a temporary name, as the shard count is known only at
-    # the end) as soon as its tensors are gathered, then dropped, so host memory peaks at about
-    # one shard (plus one tensor) rather than the whole model: ~60 GB for the 30B in bf16.
+def write_sharded(out: Path, tensors: Iterable[tuple[str, np.ndarray]], max_shard_bytes: int) -> list:
+    """Write (key, array) pairs as safetensors shards of at most ``max_shard_bytes`` (one
+    ``model.safetensors``, or numbered shards plus ``model.safetensors.index.json``), streamed: each
+    shard is written (under a temporary name, as the shard count is known only at the end) as soon
+    as its tensors arrive, then dropped, so host memory peaks at about one shard rather than the
+    whole model. Earlier weight files in ``out`` are removed. Returns each tensor's dtype."""
     for old in list(out.glob("*.safetensors")) + list(out.glob("model.safetensors.index.json")) \
             + list(out.glob("*.safetensors.partial")):
         old.unlink()
@@ -413,14 +409,7 @@ def save_hf(model: "JudgeModel", out_dir, *, dtype=None, expert_layout: str | No
         written.append((tmp, list(shard), size))
         shard, size = {}, 0
 
-    for key, (rule, targets) in arch.key_table(cfg).items():
-        ours = []
-        for target in targets:
-            arr = flat[target.path][...]
-            ours.append(np.asarray(jax.device_get(arr if target.index is None else arr[target.index])))
-        want = forced or (np.dtype(_ST_DTYPES[recorded[key]]) if key in recorded else fallback)
-        tensor = np.ascontiguousarray(rule.transform.to_hf(tuple(ours), cfg, ctx)).astype(want, copy=False)
-        del ours
+    for key, tensor in tensors:
         if size and size + tensor.nbytes > max_shard_bytes:
             flush()
         shard[key] = tensor
@@ -439,6 +428,43 @@ def save_hf(model: "JudgeModel", out_dir, *, dtype=None, expert_layout: str | No
         total = sum(nbytes for _, _, nbytes in written)
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return dtypes
+
+
+def save_hf(model: "JudgeModel", out_dir, *, dtype=None, expert_layout: str | None = None,
+            max_shard_bytes: int = 4 << 30) -> Path:
+    """Write safetensors + config.json that transformers' ``from_pretrained`` (of the class the
+    config names) loads. ``expert_layout`` defaults to the layout the model was loaded from (else
+    transformers')."""
+    from rm_jax.model import registry
+    cfg = model.cfg
+    arch = registry.architecture_of(cfg)
+    if arch.save_hf is not None:
+        return arch.save_hf(model, out_dir, dtype=dtype, expert_layout=expert_layout,
+                            max_shard_bytes=max_shard_bytes)
+    layout = EXPERT_LAYOUTS[expert_layout or cfg.hf_expert_layout or "out_in"]
+    # Each tensor goes back in the dtype it was loaded from (bf16 -> fp32 -> bf16 is exact, and a
+    # checkpoint with fp32 norms among bf16 weights keeps them); ``dtype`` forces one for all.
+    # Without a record (a model built here), config.json's "dtype", else the runtime's.
+    recorded = dict(cfg.hf_tensor_dtypes or {})
+    fallback = _np_dtype(str(dtype or cfg.extra.get("dtype") or cfg.extra.get("torch_dtype")
+                             or cfg.runtime.param_dtype))
+    forced = _np_dtype(str(dtype)) if dtype is not None else None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    flat = {p: v for p, v in nnx.to_flat_state(nnx.state(model))}
+    ctx = {"expert_layout": layout}
+
+    def tensors():
+        for key, (rule, targets) in arch.key_table(cfg).items():
+            ours = []
+            for target in targets:
+                arr = flat[target.path][...]
+                ours.append(np.asarray(jax.device_get(arr if target.index is None else arr[target.index])))
+            want = forced or (np.dtype(_ST_DTYPES[recorded[key]]) if key in recorded else fallback)
+            yield key, np.ascontiguousarray(rule.transform.to_hf(tuple(ours), cfg, ctx)).astype(want, copy=False)
+
+    dtypes = write_sharded(out, tensors(), max_shard_bytes)
     hf_cfg = cfg.to_hf_dict()
     if forced is not None or not any(k in hf_cfg for k in ("dtype", "torch_dtype")):
         # The dtype most tensors have (the source config's own entry is kept otherwise).

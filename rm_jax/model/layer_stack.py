@@ -17,12 +17,16 @@ Design choices:
   them with ``jax.lax.scan`` over ``nnx.merge``-d slices, so compile time is flat in depth, and
   wraps the body in ``jax.checkpoint`` with a configurable policy. With ``scan=False`` it unrolls
   the same params in a Python loop (same checkpoint layout either way).
+* **How a stacked leaf enters the scan** is one seam, ``STACK_CODEC``: ``encode`` maps the stacked
+  params before the scan, ``decode`` maps each layer's slice inside it (default: the identity).
+  ``benchmarks/memory_plan.py`` sets ``bf16_bit_codec()`` there, because XLA:CPU cannot slice a bf16
+  stack in place (it slices an f32 copy of the whole stack) and a GPU can.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +93,58 @@ REMAT_POLICIES: dict[str, Any] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class StackCodec:
+    """``encode(stacked_state) -> xs`` before ``lax.scan``; ``decode(layer_xs) -> layer_state`` in it."""
+    encode: Callable[[Any], Any]
+    decode: Callable[[Any], Any]
+
+
+IDENTITY_CODEC = StackCodec(encode=lambda s: s, decode=lambda s: s)
+STACK_CODEC = IDENTITY_CODEC
+
+
+def bf16_bit_codec() -> StackCodec:
+    """A ``StackCodec`` that scans bf16 stacks as their bits, as a GPU slices them (for CPU plans).
+
+    XLA:CPU has no bf16 data movement: float normalization turns the layer scan's ``dynamic-slice``
+    of a bf16 stack into a slice of an f32 copy of the *whole* stack, and loop invariant code
+    motion lifts those copies out of the layer and microbatch loops. Here every bf16 leaf whose last dim is even enters the scan packed two bf16 per f32
+    word (a bitcast: no arithmetic, the same bytes), and each layer's slice is unpacked in the
+    body. Both maps are custom_vjp pairs whose cotangents are the other map, so the weight
+    gradients are exactly the unpacked ones (the scan only stacks the packed slices' cotangents;
+    nothing adds them in packed form). ``LayerStack.apply`` checkpoints the scan body under a
+    codec, so the decoded slices are recomputed in the backward pass instead of saved.
+    """
+    # The barriers keep XLA's simplifier from folding the bitcast pairs back into a bf16 stack.
+    def pack_bits(w):
+        p = jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 2, 2), jnp.float32)
+        return jax.lax.optimization_barrier(p)
+
+    def unpack_bits(p):
+        w = jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(p), jnp.bfloat16)
+        return w.reshape(*p.shape[:-1], p.shape[-1] * 2)
+
+    pack, unpack = jax.custom_vjp(pack_bits), jax.custom_vjp(unpack_bits)
+    pack.defvjp(lambda w: (pack_bits(w), None), lambda _, g: (unpack_bits(g),))
+    unpack.defvjp(lambda p: (unpack_bits(p), None), lambda _, g: (pack_bits(g),))
+
+    class Packed(NamedTuple):      # marks a leaf that travels packed (a pytree node, so scan slices it)
+        bits: Any
+
+    def packable(x) -> bool:
+        return x.dtype == jnp.bfloat16 and x.ndim >= 2 and x.shape[-1] % 2 == 0
+
+    def encode(state):
+        return jax.tree.map(lambda x: Packed(pack(x)) if packable(x) else x, state)
+
+    def decode(layer_state):
+        return jax.tree.map(lambda x: unpack(x.bits) if isinstance(x, Packed) else x, layer_state,
+                            is_leaf=lambda x: isinstance(x, Packed))
+
+    return StackCodec(encode=encode, decode=decode)
+
+
 def _prepend_layer_axis(var: nnx.Variable) -> nnx.Variable:
     names = var.get_metadata().get("out_sharding")
     if names:
@@ -115,17 +171,23 @@ class LayerStack(nnx.Module):
         stacked on a leading layer axis (or None when body returns None).
         """
         graphdef, state = nnx.split(self.layers)
+        codec = STACK_CODEC if scan and self.n > 1 else IDENTITY_CODEC
 
         def step(carry, inputs):
             layer_state, x = inputs
-            return body(nnx.merge(graphdef, layer_state), carry, x)
+            return body(nnx.merge(graphdef, codec.decode(layer_state)), carry, x)
+
+        if codec is not IDENTITY_CODEC and remat == "none":
+            # The decoded slice is recomputed in the backward pass, not saved: the scan's residuals
+            # are then the encoded stack itself, not a second, decoded stack.
+            step = jax.checkpoint(step, prevent_cse=False)
 
         if remat != "none":
             if remat not in REMAT_POLICIES:
                 raise ValueError(f"remat={remat!r}; expected 'none' or one of {sorted(REMAT_POLICIES)}")
             step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
         if scan and self.n > 1:
-            return jax.lax.scan(step, carry, (state, xs))
+            return jax.lax.scan(step, carry, (codec.encode(state), xs))
         ys = []
         for i in range(self.n):
             sl = jax.tree.map(lambda a: a[i], (state, xs))

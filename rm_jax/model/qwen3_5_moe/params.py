@@ -37,11 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 import ml_dtypes
 
-from rm_jax.model import convert, placement, safetensors_io
+from rm_jax.model import convert, safetensors_io
 from rm_jax.model.config import ConfigError, RuntimeOptions
 from rm_jax.model.gated_deltanet import HF_PARAMS as GDN_HF_PARAMS
 from rm_jax.model.convert import EXPERTS_DOWN, EXPERTS_GATE_UP, IDENT, TRANSPOSE, Rule, Target, Transform
@@ -234,38 +233,17 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
     cfg = read_config(hf_dir, runtime)
     files = safetensors_io.checkpoint_files(hf_dir)
     index = convert._header_index(files)
-    model = abstract_model(cfg)
-    graphdef, state = nnx.split(model)
-    flat = dict(nnx.to_flat_state(state))
-    shardings = ({p: v.get_value() for p, v in nnx.to_flat_state(placement.param_shardings(state, mesh))}
-                 if mesh is not None else {})
+    filler = convert.ParamFiller(abstract_model(cfg), mesh, pdtype)
     table = expand_rules(cfg)
     layout = _detect_layout(index, cfg, EXPERT_LAYOUTS.get(expert_layout) if expert_layout else None)
     ctx = {"expert_layout": "out_in" if layout == "per_expert" else layout}
     gather = _ExpertGather(cfg.text.num_experts)
-
-    values, filled = {}, {p: set() for p in flat}
     seen, unknown, mtp = set(), [], 0
 
     def put(key, array, file):
         rule, targets = table[key]
         ctx["key"], ctx["file"] = key, str(file)
-        for target, arr in zip(targets, rule.transform.to_ours(array, cfg, ctx)):
-            var, sharding = flat[target.path], shardings.get(target.path)
-            want = var.shape if target.index is None else var.shape[1:]
-            if tuple(arr.shape) != tuple(want):
-                raise CheckpointError(f"{file}: {key} gives {tuple(arr.shape)} for "
-                                      f"{'.'.join(map(str, target.path))} which needs {tuple(want)}")
-            arr = np.asarray(arr).astype(pdtype)
-            if target.index is None:
-                values[target.path] = jax.device_put(arr, sharding) if sharding else jnp.asarray(arr)
-            else:
-                if target.path not in values:
-                    values[target.path] = convert._zeros_fn(tuple(var.shape), pdtype, sharding)()
-                layer_sharding = NamedSharding(mesh, PartitionSpec(*tuple(sharding.spec)[1:])) if sharding else None
-                val = jax.device_put(arr, layer_sharding) if layer_sharding else jnp.asarray(arr)
-                values[target.path] = convert._set_layer_fn(sharding)(values[target.path], val, target.index)
-            filled[target.path].add(target.index)
+        filler.put(file, key, rule.transform.to_ours(array, cfg, ctx), targets)
         seen.add(key)
 
     for file in files:
@@ -293,12 +271,7 @@ def load_hf(hf_dir, dtype="float32", mesh=None, *, expert_layout: str | None = N
     missing = sorted(k for k in table if k not in seen)
     if missing:
         raise CheckpointError(f"{hf_dir}: {len(missing)} params missing from the checkpoint, e.g. {missing[:5]}")
-    stacked = {t.path for _, targets in table.values() for t in targets if t.index is not None}
-    for path, var in flat.items():
-        if filled[path] != (set(range(var.shape[0])) if path in stacked else {None}):
-            raise CheckpointError(f"{hf_dir}: param {'.'.join(map(str, path))} was not completely filled")
-    model = nnx.merge(graphdef, nnx.from_flat_state([(p, flat[p].replace(values[p])) for p in flat]))
-    model.mesh = mesh
+    model = filler.model(hf_dir, table)
     cfg = dataclasses.replace(cfg, hf_expert_layout=layout or ctx.get("detected_layout"),
                               hf_tensor_dtypes={k: info[2] for k, info in index.items()})
     model.cfg = cfg
@@ -335,10 +308,12 @@ def hf_tensors(model: Qwen35MoeJudge, expert_layout: str):
             yield key, tensor
 
 
-def save_hf(model: Qwen35MoeJudge, out_dir, *, dtype=None, expert_layout: str | None = None) -> Path:
+def save_hf(model: Qwen35MoeJudge, out_dir, *, dtype=None, expert_layout: str | None = None,
+            max_shard_bytes: int = 4 << 30) -> Path:
     """Write safetensors + config.json that transformers' ``Qwen3_5MoeForConditionalGeneration``
-    (or ``Qwen3_5MoeForCausalLM`` for a text-only config) loads. ``expert_layout`` defaults to the
-    checkpoint's own, else per-expert; each tensor keeps the dtype it was loaded in."""
+    (or ``Qwen3_5MoeForCausalLM`` for a text-only config) loads, streamed in shards of at most
+    ``max_shard_bytes``. ``expert_layout`` defaults to the checkpoint's own, else per-expert; each
+    tensor keeps the dtype it was loaded in."""
     cfg: Qwen35MoeConfig = model.cfg
     layout = EXPERT_LAYOUTS[expert_layout or cfg.hf_expert_layout or "per_expert"]
     recorded = dict(cfg.hf_tensor_dtypes or {})
@@ -346,16 +321,15 @@ def save_hf(model: Qwen35MoeJudge, out_dir, *, dtype=None, expert_layout: str | 
     forced = convert._np_dtype(str(dtype)) if dtype is not None else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for old in list(out.glob("*.safetensors")) + list(out.glob("model.safetensors.index.json")):
-        old.unlink()
-    tensors = {}
-    for key, tensor in hf_tensors(model, layout):
-        want = forced or (np.dtype(safetensors_io._ST_DTYPES[recorded[key]]) if key in recorded else fallback)
-        tensors[key] = tensor.astype(want, copy=False)
-    safetensors_io.write_safetensors(out / "model.safetensors", tensors)
+
+    def tensors():
+        for key, tensor in hf_tensors(model, layout):
+            want = forced or (np.dtype(safetensors_io._ST_DTYPES[recorded[key]]) if key in recorded else fallback)
+            yield key, tensor.astype(want, copy=False)
+
+    dtypes = convert.write_sharded(out, tensors(), max_shard_bytes)
     hf_cfg = cfg.to_hf_dict()
-    common = [t.dtype for t in tensors.values()]
-    common = max(set(common), key=common.count)
+    common = max(set(dtypes), key=dtypes.count)
     hf_cfg["dtype"] = "bfloat16" if common == np.dtype(ml_dtypes.bfloat16) else str(common)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     return out
