@@ -269,11 +269,9 @@ def test_score_file_writes_error_rows_and_scores_the_rest(judge, renderer, tiny_
     assert rows[6] == {"id": None, "line": 7, "error": rows[6]["error"]} and rows[6]["error"].startswith("malformed")
 
 
-def test_shared_prefix_equals_whole_prompts(judge, renderer, synth_dir, scorer):
-    """GRPO groups: the responses to one prompt share the rendered prompt up to the response. The
-    scorer prefills that prefix once per group and runs only each response after it; P(pass) and
-    the decoded verdict equal scoring every prompt whole, and transformers."""
-    hf, _, cfg, _ = judge
+def _grpo_groups(judge, synth_dir, scorer):
+    """Two image groups and one text group of responses to one prompt, and the unshared scorer."""
+    _, _, cfg, _ = judge
     got = [s for s in read_samples(os.path.join(synth_dir, "samples.jsonl")) if isinstance(s, Sample)]
     by_prompt = {}
     for s in got:
@@ -283,21 +281,40 @@ def test_shared_prefix_equals_whole_prompts(judge, renderer, synth_dir, scorer):
     chosen = [s for g in with_img + without for s in g]
     groups, alone = scorer._prefix_groups(scorer.render(chosen)[0])
     assert len(groups) == 3 and not alone
-    image_id = cfg.image_token_id
     for g in groups:
-        assert all(not np.any(it.ids[g.n_shared:] == image_id) for it in g.items)   # images in the prefix
+        assert all(not np.any(it.ids[g.n_shared:] == cfg.image_token_id) for it in g.items)   # images in the prefix
         assert all(len(it.ids) > g.n_shared for it in g.items)
+    return chosen
+
+
+def _unshared(judge, renderer):
     _, model, _, _ = judge
-    unshared = Scorer(model, renderer, field_order=VERDICT_FIRST, buckets=BUCKETS, batch_size=4,
-                      max_new_tokens=48, progress=False, share_prefix=False)
-    shared_p, whole_p = scorer.p_pass(chosen), unshared.p_pass(chosen)
+    return Scorer(model, renderer, field_order=VERDICT_FIRST, buckets=BUCKETS, batch_size=4,
+                  max_new_tokens=48, progress=False, share_prefix=False)
+
+
+def test_shared_prefix_p_pass_equals_whole_prompts(judge, renderer, synth_dir, scorer):
+    """GRPO groups: the responses to one prompt share the rendered prompt up to the response. The
+    scorer prefills that prefix once per group and runs only each response after it; P(pass)
+    equals scoring every prompt whole."""
+    chosen = _grpo_groups(judge, synth_dir, scorer)
+    shared_p, whole_p = scorer.p_pass(chosen), _unshared(judge, renderer).p_pass(chosen)
     np.testing.assert_allclose([s.p_pass for s in shared_p], [s.p_pass for s in whole_p], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow   # decodes every group twice (48 tokens) and runs transformers on half of them
+def test_shared_prefix_decodes_and_matches_transformers(judge, renderer, synth_dir, scorer):
+    """The shared-prefix path's P(pass) equals transformers' slot softmax, and its decoded
+    judgments equal whole-prompt decoding."""
+    hf, _, cfg, _ = judge
+    chosen = _grpo_groups(judge, synth_dir, scorer)
+    shared_p = scorer.p_pass(chosen)
     v = renderer.verdict
     for s, q in list(zip(chosen, shared_p))[::2]:
         ji = renderer.render(s, with_target=False)
         ids = np.concatenate([ji.input_ids, renderer.scoring_prefix_ids()])
         ref = softmax(hf_last_logits(hf, cfg, ids, ji.pixel_values, ji.image_grid_thw)[-1][[v.pass_id, v.fail_id]])[0]
         assert abs(q.p_pass - ref) < 1e-5
-    for a, b in zip(scorer.score(chosen), unshared.score(chosen)):
+    for a, b in zip(scorer.score(chosen), _unshared(judge, renderer).score(chosen)):
         assert (a.text, a.n_new_tokens, a.verdict) == (b.text, b.n_new_tokens, b.verdict)
         assert abs(a.p_pass - b.p_pass) < 1e-5
