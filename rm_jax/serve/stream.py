@@ -12,9 +12,7 @@ prompt prefix) as a whole, or one item -- plus the units that pack best with it:
   bucket x rows, plus the image ladder rung's patches) costs least per item
   (``Scorer.dispatch_whole``).
 
-Neighbours must have waited one step in the pool (a group split over requests arrives in
-consecutive admissions; taking its first part early would score the rest whole, at full prompt
-cost). Serving the oldest first bounds how long any item waits; choosing its neighbours from the whole
+Serving the oldest first bounds how long any item waits; choosing its neighbours from the whole
 pool is what keeps device batches full and tightly padded whatever the requests' sizes (a call
 per request mix padded each batch to its own mix). A step is taken once a full batch is waiting,
 the oldest item has waited ``max_wait_s``, or the caller flushes (draining). Results of a request
@@ -63,7 +61,6 @@ class _Request:
 class _Entry:
     req: _Request
     item: Any                  # scorer._Item; item.index is the sample's place in its request
-    seen: int                  # steps dispatched before it was admitted
 
 
 @dataclasses.dataclass
@@ -89,7 +86,6 @@ class ScoreStream:
         self._pools: dict[str, list[_Entry]] = {kind: [] for kind in self.modes}
         self._inflight: collections.deque = collections.deque()   # (_Step, part index)
         self._requests: dict[int, _Request] = {}                    # id(token) -> its request, until done
-        self._steps = 0
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
@@ -118,7 +114,7 @@ class ScoreStream:
         self._requests[id(token)] = req
         for it in items:
             self.scorer.prefix_key(it)      # hash the images now, once
-            self._pools[kind].append(_Entry(req, it, self._steps))
+            self._pools[kind].append(_Entry(req, it))
         return []
 
     def _finish(self, req: _Request) -> Done:
@@ -160,20 +156,12 @@ class ScoreStream:
         groups, alone = self.scorer.prefix_groups([e.item for e in pool])
         oldest = pool[0].item
         group = next((g for g in groups if any(it is oldest for it in g.items)), None)
-
-        # A neighbour must have waited one step: a GRPO group split over requests arrives in
-        # consecutive admissions, and taking its first part alone would score the rest whole.
-        # Items in no group (no prompt_id) cannot be split; draining takes everything.
-        def settled(its) -> bool:
-            return flush or all(by_item[id(it)].seen < self._steps for it in its)
         if group is not None:
-            chosen = self._pick_groups([g for g in groups if g is group or settled(g.items)], group)
+            chosen = self._pick_groups(groups, group)
             taken = [by_item[id(it)] for g in chosen for it in g.items]
         else:
-            picked = self._pick_items([it for it in alone if it is oldest or not it.rendered.prompt_id
-                                       or settled([it])], oldest)
+            picked = self._pick_items(alone, oldest)
             taken = [by_item[id(it)] for it in picked]
-        self._steps += 1
         self._remove(kind, taken)
         try:
             parts = (self.scorer.dispatch_shared(mode, chosen) if group is not None
