@@ -19,8 +19,9 @@ the oldest item has waited ``max_wait_s``, or the caller flushes (draining). Res
 are handed back when its last item is read; rows come from the same scorer calls as
 ``Scorer.score`` / ``p_pass``, so only the batch a sample lands in differs.
 
-Shapes: every device batch pads to the scorer's buckets, ladder rungs and suffix widths, the
-same set a call over the pool draws from.
+Shapes: every device batch pads to the scorer's buckets, image ladder rungs and suffix widths,
+a bounded set; which of them traffic meets depends on its mix, so warm a server up with a replay
+of it (``benchmarks/serve_load.py`` repeats load windows until one compiles nothing).
 """
 
 from __future__ import annotations
