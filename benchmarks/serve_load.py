@@ -10,7 +10,9 @@ back, for a bounded time.
 The baseline is the same ``Scorer`` scoring the whole pool in-process in batches of
 ``--max_batch`` (what ``launch.score`` does): the ratio shows how much of the device's batched
 throughput survives HTTP, JSON and dynamic batching. Both are warmed up first (compiles). Full
-scoring (verdict + decoded reason/issues/img), ``--max_new_tokens`` of decoding.
+scoring (verdict + decoded reason/issues/img), ``--max_new_tokens`` of decoding. After the load,
+the ``stream`` line drives the server's scheduler (``rm_jax.serve.stream``) in-process with the
+same request mix and no HTTP, back to back with the pool figure: what scheduling alone keeps.
 
 Warm-up: every batch the server forms mixes other buckets, image counts and GRPO group sizes,
 and each new static shape compiles once; under load windows are repeated until one window
@@ -42,6 +44,7 @@ flags.DEFINE_float("max_wait_ms", 10.0, "server batching window")
 flags.DEFINE_integer("n", 192, "sample pool (more than one server call holds, so a call rarely repeats a sample)")
 flags.DEFINE_integer("max_new_tokens", 32, "decoding budget after the verdict")
 flags.DEFINE_integer("seed", 0, "request mix")
+flags.DEFINE_float("stream_seconds", 60.0, "the in-process continuous-batching figure (no HTTP): half untimed")
 flags.DEFINE_bool("text_only", False, "pool without images: far fewer static shapes, so the warm-up ends sooner")
 
 
@@ -94,6 +97,50 @@ async def _load(url: str, pool: list[dict], clients: int, seconds: float, seed: 
         await asyncio.gather(*(client(c, random.Random(rng.random())) for _ in range(clients)))
         wall = time.perf_counter() - t0
     return dict(samples=samples, requests=requests, errors=errors, wall=wall, latencies=latencies)
+
+
+def _stream_in_process(engine, parsed: list, clients: int, seconds: float, seed: int, max_wait_s: float,
+                       compiles: list) -> dict:
+    """The server's scheduling without HTTP: ``clients`` requests of 1-8 consecutive samples kept
+    outstanding (as the load's clients do), admitted straight into a ``ScoreStream`` and driven as
+    the worker drives it. A first half untimed (the pool fills as under load), then the samples of
+    requests answered in the second half count. Against in-process scoring it isolates the
+    scheduling from HTTP."""
+    from rm_jax.serve.engine import KIND_FULL
+    stream = engine.score_stream(max_wait_s=max_wait_s)
+    rng = random.Random(seed)
+    cursor, sizes, samples, requests = rng.randrange(len(parsed)), {}, 0, 0
+
+    def submit(token: int) -> None:
+        nonlocal cursor
+        k = rng.randint(1, 8)
+        sizes[token] = k
+        batch = [parsed[(cursor + i) % len(parsed)] for i in range(k)]
+        cursor = (cursor + k) % len(parsed)
+        assert not stream.admit(token, KIND_FULL, batch, time.monotonic())
+    start = time.perf_counter()
+    timed, end = start + seconds / 2, start + seconds
+    for token in range(clients):
+        submit(token)
+    next_token, compiles0 = clients, None
+    while time.perf_counter() < end:
+        if compiles0 is None and time.perf_counter() >= timed:
+            compiles0 = compiles[0]
+        dispatched = stream.inflight < stream.depth and stream.dispatch(time.monotonic())
+        if stream.inflight and (not dispatched or stream.inflight >= stream.depth):
+            for token, _rows, error in stream.collect():
+                assert error is None, error
+                k = sizes.pop(token)
+                if time.perf_counter() >= timed:
+                    samples, requests = samples + k, requests + 1
+                submit(next_token)
+                next_token += 1
+        elif not dispatched:
+            time.sleep(max(0.0, stream.due() - time.monotonic()))
+    while stream.inflight:              # the device's queue, so the next figure starts idle
+        stream.collect()
+    return dict(samples=samples, requests=requests, wall=time.perf_counter() - max(timed, start),
+                compiles=compiles[0] - (compiles[0] if compiles0 is None else compiles0))
 
 
 def main(argv):
@@ -185,8 +232,17 @@ def main(argv):
     thread.join(60)
     after = in_process()
     inproc = (before + after) / 2
+    # Back to back with the pool figure: the server's scheduling in-process (no HTTP).
+    streamed = _stream_in_process(engine, parsed, f.clients, f.stream_seconds, f.seed, f.max_wait_ms / 1000.0,
+                                  compiles)
+    stream_compiles = streamed["compiles"]
+    last = in_process()
+    stream_rate = streamed["samples"] / streamed["wall"]
     print(f"in-process  {len(parsed)} samples, batch {f.max_batch}: {inproc:8.1f} samples/s "
-          f"(before the load {before:.1f}, after {after:.1f})")
+          f"(before the load {before:.1f}, after {after:.1f}, after the stream {last:.1f})")
+    print(f"stream      {f.clients} requests kept outstanding, no HTTP, {streamed['requests']} answered in "
+          f"the timed {streamed['wall']:.1f}s: {stream_rate:8.1f} samples/s ({stream_rate / ((after + last) / 2):.2f}x the "
+          f"in-process figures around it; {stream_compiles} compiles)")
 
     served = got["samples"] / got["wall"]
     p50, p99 = _percentile(got["latencies"], 0.5), _percentile(got["latencies"], 0.99)
@@ -194,14 +250,16 @@ def main(argv):
     print(f"server      {f.clients} clients, {got['requests']} requests in {got['wall']:.1f}s: "
           f"{served:8.1f} samples/s ({served / inproc:.2f}x in-process)")
     print(f"latency     p50 {p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms ({p99 / p50:.2f}x p50)")
-    print(f"batches     mean {mean_batch:.1f} samples per scorer call (device batches of {f.max_batch})")
+    print(f"batches     mean {mean_batch:.1f} samples per device batch (of at most {f.max_batch})")
     print(f"errors      {got['errors']} (warm-up: {warm_errors}); compiles during the timed phase: {timed_compiles}")
     print(json.dumps({"bench": "serve_load", "clients": f.clients, "seconds": round(got["wall"], 2),
                       "requests": got["requests"], "server_samples_per_s": round(served, 2),
                       "inprocess_samples_per_s": round(inproc, 2), "ratio_vs_inprocess": round(served / inproc, 3),
                       "p50_ms": round(p50 * 1e3, 1), "p99_ms": round(p99 * 1e3, 1),
                       "p99_over_p50": round(p99 / p50, 2), "errors": got["errors"],
-                      "mean_samples_per_call": round(mean_batch, 2), "max_batch": f.max_batch,
+                      "mean_samples_per_device_batch": round(mean_batch, 2), "max_batch": f.max_batch,
+                      "stream_samples_per_s": round(stream_rate, 2),
+                      "stream_ratio": round(stream_rate / ((after + last) / 2), 3), "stream_compiles": stream_compiles,
                       "timed_compiles": timed_compiles, "warmup_windows": warm_rounds, "pool": len(pool)}))
 
 

@@ -106,6 +106,7 @@ class _Item:
     index: int                 # position in the caller's list
     rendered: JudgeInput
     ids: np.ndarray            # prompt + scoring prefix
+    key: tuple | None | str = dataclasses.field(default="", repr=False)   # prefix_key, once computed
 
 
 @dataclasses.dataclass
@@ -197,38 +198,16 @@ class Scorer:
         items, errors = self._render(samples)
         out: list[VerdictScore | None] = [None] * len(samples)
         for i, err in errors.items():
-            out[i] = VerdictScore(samples[i].id, math.nan, math.nan, math.nan, math.nan, False, err)
+            out[i] = self.error_result("p_pass", samples[i].id, err)
         groups: list[_PrefixGroup] = []
         if self.verdict_first and self.share_prefix:
             groups, items = self._prefix_groups(items)
-            shared = ((part, self.decoder.extend_slot_logits(cache, rows_b, tokens_bn, n_b, self.pass_id,
-                                                             self.fail_id))
-                      for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, 0, "p_pass"))
-            for part, (lp, lf, lse) in _in_flight(shared):
-                for k, it in enumerate(part):
-                    p, off = _probabilities(lp[k], lf[k], lse[k])
-                    out[it.index] = VerdictScore(samples[it.index].id, p, off, float(lp[k]), float(lf[k]), True, None)
-
-        def slot_reads(batch, inputs):
-            if self.verdict_first:
-                return self.decoder.slot_logits(inputs, self.pass_id, self.fail_id)
-            return self.decoder.generate(inputs, self._spec, self._slot_table(), np.zeros(self.batch_size, np.int32),
-                                         live_b=self._live(batch), stop_at_slot=True)
-
-        for batch, got in _in_flight((batch, slot_reads(batch, inputs))
-                                     for batch, inputs in self._batches(items, "p_pass")):
-            if self.verdict_first:
-                lp, lf, lse = got
-                found = np.ones(len(lp), bool)
-            else:
-                lp, lf, lse, found = got.logit_pass_b, got.logit_fail_b, got.logsumexp_b, got.slot_found_b
-            for row, it in enumerate(batch):
-                sid = samples[it.index].id
-                if not found[row]:
-                    out[it.index] = VerdictScore(sid, math.nan, math.nan, math.nan, math.nan, False, None)
-                    continue
-                p, off = _probabilities(lp[row], lf[row], lse[row])
-                out[it.index] = VerdictScore(sid, p, off, float(lp[row]), float(lf[row]), True, None)
+        shared = ((part, self._shared_call("p_pass", part, cache, rows_b, tokens_bn, n_b, None))
+                  for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, 0, "p_pass"))
+        whole = ((batch, self._whole_call("p_pass", batch, inputs, None)) for batch, inputs in self._batches(items, "p_pass"))
+        for batch, got in itertools.chain(_in_flight(shared), _in_flight(whole)):
+            for it, row in zip(batch, self._read("p_pass", batch, got)):
+                out[it.index] = row
         return out  # type: ignore[return-value]
 
     def score(self, samples: Sequence[Sample], *, forced_ids: Sequence[Sequence[int]] | None = None
@@ -241,22 +220,101 @@ class Scorer:
         items, errors = self._render(samples)
         out: list[JudgeResult | None] = [None] * len(samples)
         for i, err in errors.items():
-            out[i] = JudgeResult(samples[i].id, math.nan, None, None, (), None, False, "error", math.nan, "", 0,
-                                 False, False, -1, err)
-        match0 = np.full(self.batch_size, self._full_state if self.verdict_first else 0, np.int32)
+            out[i] = self.error_result("score", samples[i].id, err)
         groups: list[_PrefixGroup] = []
         if self.verdict_first and self.share_prefix:
             groups, items = self._prefix_groups(items)
-        shared = ((part, self.decoder.generate_shared(cache, rows_b, tokens_bn, n_b, self._spec, self._slot_table(),
-                                                      match0, *self._forced(part, forced_ids), live_b=self._live(part)))
+        shared = ((part, self._shared_call("score", part, cache, rows_b, tokens_bn, n_b, forced_ids))
                   for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, self.max_new_tokens, "score"))
-        whole = ((batch, self.decoder.generate(inputs, self._spec, self._slot_table(), match0,
-                                               *self._forced(batch, forced_ids), live_b=self._live(batch)))
+        whole = ((batch, self._whole_call("score", batch, inputs, forced_ids))
                  for batch, inputs in self._batches(items, "score"))
         for batch, gen in itertools.chain(_in_flight(shared), _in_flight(whole)):
-            for row, it in enumerate(batch):
-                out[it.index] = self._result(samples[it.index].id, gen, row)
+            for it, row in zip(batch, self._read("score", batch, gen)):
+                out[it.index] = row
         return out  # type: ignore[return-value]
+
+    # -- device batches, for a caller that schedules them (the server's continuous batching) -----
+    # ``render`` -> ``prefix_groups`` -> ``dispatch_shared`` / ``dispatch_whole`` (device results,
+    # not fetched) -> ``jax.device_get`` -> ``read``: the same calls ``p_pass`` / ``score`` make, so
+    # a row is the same whichever batch it lands in (to float tolerance, as batch composition).
+
+    def prefix_key(self, it: _Item) -> tuple | None:
+        """What prefix groups are formed by: (prompt_id, the images' digest); None: scored whole."""
+        if it.key == "":                   # hashing the pixels is the cost: once per item
+            ji = it.rendered
+            it.key = None if not ji.prompt_id else (ji.prompt_id, hashlib.sha1(
+                np.ascontiguousarray(ji.pixel_values).tobytes()
+                + np.asarray(ji.image_grid_thw, np.int64).tobytes()).hexdigest())
+        return it.key  # type: ignore[return-value]
+
+    def prefix_groups(self, items: list[_Item]) -> tuple[list[_PrefixGroup], list[_Item]]:
+        """Groups that share a prefix prefill, and the items scored whole (``[]`` without sharing)."""
+        if not (self.verdict_first and self.share_prefix):
+            return [], list(items)
+        return self._prefix_groups(items)
+
+    def dispatch_whole(self, mode: str, items: list[_Item]):
+        """One device batch of at most ``batch_size`` whole prompts: (rows, device result)."""
+        if not 0 < len(items) <= self.batch_size:
+            raise ValueError(f"a device batch holds 1..{self.batch_size} items, got {len(items)}")
+        batch = sorted(items, key=lambda it: len(it.ids))
+        inputs = self._to_device(self._collate([(it.ids, it.rendered) for it in batch]))
+        return batch, self._whole_call(mode, batch, inputs, None)
+
+    def dispatch_shared(self, mode: str, groups: list[_PrefixGroup]):
+        """One prefill of at most ``batch_size`` prefixes, then their members in device batches:
+        [(rows, device result)], every member of a group in this one call."""
+        if not 0 < len(groups) <= self.batch_size:
+            raise ValueError(f"a prefix batch holds 1..{self.batch_size} groups, got {len(groups)}")
+        extra = self.max_new_tokens if mode == "score" else 0
+        return [(part, self._shared_call(mode, part, cache, rows_b, tokens_bn, n_b, None))
+                for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, extra, mode)]
+
+    def error_result(self, mode: str, sample_id: str, error: str):
+        """The result of a sample that could not be scored (``render``'s errors)."""
+        if mode == "p_pass":
+            return VerdictScore(sample_id, math.nan, math.nan, math.nan, math.nan, False, error)
+        return JudgeResult(sample_id, math.nan, None, None, (), None, False, "error", math.nan, "", 0,
+                           False, False, -1, error)
+
+    def read(self, mode: str, rows: list[_Item], host_result) -> list:
+        """A fetched device result -> one VerdictScore (``p_pass``) or JudgeResult (``score``) per row."""
+        return self._read(mode, rows, host_result)
+
+    def _shared_call(self, mode: str, part, cache, rows_b, tokens_bn, n_b, forced_ids):
+        if mode == "p_pass":
+            return self.decoder.extend_slot_logits(cache, rows_b, tokens_bn, n_b, self.pass_id, self.fail_id)
+        return self.decoder.generate_shared(cache, rows_b, tokens_bn, n_b, self._spec, self._slot_table(),
+                                            self._match0(), *self._forced(part, forced_ids), live_b=self._live(part))
+
+    def _whole_call(self, mode: str, batch, inputs, forced_ids):
+        if mode == "p_pass":
+            if self.verdict_first:
+                return self.decoder.slot_logits(inputs, self.pass_id, self.fail_id)
+            return self.decoder.generate(inputs, self._spec, self._slot_table(), np.zeros(self.batch_size, np.int32),
+                                         live_b=self._live(batch), stop_at_slot=True)
+        return self.decoder.generate(inputs, self._spec, self._slot_table(), self._match0(),
+                                     *self._forced(batch, forced_ids), live_b=self._live(batch))
+
+    def _match0(self) -> np.ndarray:
+        return np.full(self.batch_size, self._full_state if self.verdict_first else 0, np.int32)
+
+    def _read(self, mode: str, batch: list[_Item], got) -> list:
+        if mode == "score":
+            return [self._result(it.rendered.id, got, row) for row, it in enumerate(batch)]
+        if isinstance(got, tuple):         # slot logits (verdict-first: whole or after a shared prefix)
+            lp, lf, lse = got
+            found = np.ones(len(lp), bool)
+        else:                              # reason-first: the decoder's slot automaton
+            lp, lf, lse, found = got.logit_pass_b, got.logit_fail_b, got.logsumexp_b, got.slot_found_b
+        out = []
+        for row, it in enumerate(batch):
+            if not found[row]:
+                out.append(VerdictScore(it.rendered.id, math.nan, math.nan, math.nan, math.nan, False, None))
+                continue
+            p, off = _probabilities(lp[row], lf[row], lse[row])
+            out.append(VerdictScore(it.rendered.id, p, off, float(lp[row]), float(lf[row]), True, None))
+        return out
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -290,13 +348,11 @@ class Scorer:
         alone: list[_Item] = []
         image_id = self.model.cfg.image_token_id
         for it in items:
-            ji = it.rendered
-            if not ji.prompt_id:
+            key = self.prefix_key(it)
+            if key is None:
                 alone.append(it)
                 continue
-            images = hashlib.sha1(np.ascontiguousarray(ji.pixel_values).tobytes()
-                                  + np.asarray(ji.image_grid_thw, np.int64).tobytes()).hexdigest()
-            by_key.setdefault((ji.prompt_id, images), []).append(it)
+            by_key.setdefault(key, []).append(it)
         groups = []
         for members in by_key.values():
             if len(members) > 1:

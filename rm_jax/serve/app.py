@@ -35,7 +35,6 @@ from rm_jax.serve.toolcalls import parse_raw_response
 
 ROUTES = ("/healthz", "/v1/models", "/v1/chat/completions", "/v1/score", "/get_reward", "/metrics")
 OPEN_ROUTES = ("/healthz",)
-SCORER_CALL_BATCHES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,15 +125,13 @@ def _finite(x, default: float = 0.0) -> float:
 def create_app(engine, settings: ServeSettings) -> FastAPI:
     """``engine``: an ``rm_jax.serve.engine.Engine`` (loaded; its device calls run on the worker)."""
     metrics = ServerMetrics.create()
-    # One scorer call takes up to SCORER_CALL_BATCHES device batches: the scorer then keeps two
-    # device batches in flight and completes GRPO groups split over requests (one device batch per
-    # call halved the throughput: each call paid a partly filled group batch and a whole-prompt
-    # batch, with the device idle between calls). Device batches stay at most max_batch samples.
-    call = SCORER_CALL_BATCHES * settings.max_batch
+    # Scoring is batched continuously (rm_jax.serve.stream): device batches of max_batch samples
+    # formed across requests; chat coalesces requests per call.
+    observe = lambda kind, n: metrics.batch_size.labels(kind).observe(n)
     batcher = Batcher(engine.run_batch, max_batch=settings.max_batch, max_wait_s=settings.max_wait_ms / 1000.0,
-                      max_queue=settings.max_queue,
-                      batch_limits={KIND_FULL: call, KIND_P_PASS: call, KIND_CHAT: min(settings.max_batch, 8)},
-                      on_batch=lambda kind, n: metrics.batch_size.labels(kind).observe(n),
+                      max_queue=settings.max_queue, batch_limits={KIND_CHAT: min(settings.max_batch, 8)},
+                      stream=engine.score_stream(max_wait_s=settings.max_wait_ms / 1000.0, on_batch=observe),
+                      on_batch=observe,
                       on_depth=metrics.queue_depth.set)
 
     @contextlib.asynccontextmanager

@@ -1,18 +1,25 @@
 """Dynamic batching: one worker thread drives the device; concurrent requests share its batches.
 
 Request handlers (on the asyncio event loop) submit a ``Job`` -- one request's samples of one
-kind -- and await its future. The worker takes the oldest job, waits up to ``max_wait_s`` *from
-that job's arrival* for more jobs of the same kind, then runs them as one batch of at most the
-kind's limit in samples (``batch_limits``, default ``max_batch``; a single job larger than that
-runs alone). The scorer splits what it gets into device batches of its own batch size. Putting every job of a batch through one ``Scorer`` call is what keeps GRPO
-groups together: the scorer finds samples with one ``prompt_id`` across requests and prefills
-their shared prefix once.
+kind -- and await its future.
 
+* **Scoring (with a ``stream``: continuous batching).** The worker admits each scoring job into
+  the ``ScoreStream`` (renders its samples into one pool of items across requests) and keeps the
+  device fed from it: a device batch is formed from the oldest waiting item and the items that
+  pack best with it, from every admitted request, once a full batch waits or the oldest has
+  waited ``max_wait_s``; ``stream.depth`` device batches are in flight while the host forms the
+  next. A job is answered when its last item is read. GRPO groups are kept whole in one prefix
+  prefill, across requests.
+* **Other kinds (chat; scoring without a stream).** The worker takes the oldest job, waits up to
+  ``max_wait_s`` *from that job's arrival* for more jobs of the same kind, then runs them as one
+  ``run_batch`` call of at most the kind's limit in samples (``batch_limits``, default
+  ``max_batch``; a single job larger than that runs alone).
 * **Admission control.** ``max_queue`` bounds the samples admitted and not yet answered; a job
   that would exceed it is refused (``QueueFull``: the server answers 503 with Retry-After) rather
   than queued without bound while every client times out.
-* **Isolation.** If a batch raises, its jobs are retried one by one, so a request that breaks the
-  device call fails alone and its neighbours still get their results.
+* **Isolation.** If a device batch (or a ``run_batch`` call) raises, the jobs in it are retried
+  one by one with ``run_batch``, so a request that breaks the device call fails alone and its
+  neighbours still get their results.
 * **Disconnects.** A job's result is delivered to its future if anyone still waits; a client that
   went away neither cancels nor breaks the batch it is in.
 * **Draining.** ``stop()`` lets the worker finish every admitted job before it exits (SIGTERM:
@@ -29,6 +36,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from absl import logging
+
+from rm_jax.serve.stream import StepFailed
 
 
 class QueueFull(Exception):
@@ -61,10 +70,12 @@ RunBatch = Callable[[str, Sequence[Any]], list[Any]]   # (kind, payloads) -> one
 class Batcher:
     def __init__(self, run_batch: RunBatch, *, max_batch: int, max_wait_s: float, max_queue: int,
                  batch_limits: dict[str, int] | None = None, on_batch: Callable[[str, int], None] | None = None,
-                 on_depth: Callable[[int], None] | None = None):
+                 on_depth: Callable[[int], None] | None = None, stream=None):
         self.run_batch, self.max_batch, self.max_wait_s, self.max_queue = run_batch, max_batch, max_wait_s, max_queue
         self.batch_limits = dict(batch_limits or {})
         self.on_batch, self.on_depth = on_batch, on_depth
+        self.stream = stream                   # a ScoreStream for its kinds, or None
+        self._streamed = frozenset(stream.kinds) if stream is not None else frozenset()
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._depth = 0
@@ -106,56 +117,121 @@ class Batcher:
     def _limit(self, kind: str) -> int:
         return self.batch_limits.get(kind, self.max_batch)
 
-    def _take(self) -> list[Job] | None:
-        """The next batch: the oldest job plus same-kind jobs that arrive within its wait window."""
+    def _take_ready(self, now: float) -> list[Job] | None:
+        """(Under the lock.) The next run_batch batch if its window has closed: the oldest
+        unstreamed job plus same-kind jobs that arrived meanwhile, up to the kind's limit."""
+        first = next((j for j in self._queue if j.kind not in self._streamed), None)
+        if first is None:
+            return None
+        limit = self._limit(first.kind)
+        pending = sum(j.size for j in self._queue if j.kind == first.kind)
+        if not (self._stopping or pending >= limit or now >= first.enqueued + self.max_wait_s):
+            return None
+        batch, total, keep = [], 0, collections.deque()
+        for job in self._queue:
+            if job.kind == first.kind and (not batch or total + job.size <= limit):
+                batch.append(job)
+                total += job.size
+            else:
+                keep.append(job)
+        self._queue = keep
+        return batch
+
+    def _due(self) -> float | None:
+        """(Under the lock.) The earliest time a waiting batch's window closes."""
+        times = [j.enqueued + self.max_wait_s for j in self._queue if j.kind not in self._streamed][:1]
+        if self.stream is not None and self.stream.due() is not None:
+            times.append(self.stream.due())
+        return min(times) if times else None
+
+    def _next(self):
+        """Block until there is work: (jobs to admit into the stream, a run_batch batch or None,
+        stopping); None when stopped with nothing left."""
+        stream = self.stream
         with self._cond:
-            while not self._queue:
-                if self._stopping:
+            while True:
+                now = time.monotonic()
+                fresh = [j for j in self._queue if j.kind in self._streamed]
+                if fresh:
+                    self._queue = collections.deque(j for j in self._queue if j.kind not in self._streamed)
+                other = self._take_ready(now)
+                if fresh or other or (stream is not None and (stream.inflight or stream.ready(now, self._stopping))):
+                    return fresh, other, self._stopping
+                if self._stopping and not self._queue and (stream is None or not stream.pending):
                     return None
-                self._cond.wait()
-            first = self._queue[0]
-            limit = self._limit(first.kind)
-            deadline = first.enqueued + self.max_wait_s
-            while not self._stopping:
-                pending = sum(j.size for j in self._queue if j.kind == first.kind)
-                left = deadline - time.monotonic()
-                if pending >= limit or left <= 0:
-                    break
-                self._cond.wait(left)
-            batch, total, keep = [], 0, collections.deque()
-            for job in self._queue:
-                if job.kind == first.kind and (not batch or total + job.size <= limit):
-                    batch.append(job)
-                    total += job.size
-                else:
-                    keep.append(job)
-            self._queue = keep
-            return batch
+                due = self._due()
+                self._cond.wait(None if due is None else max(due - now, 0.0))
 
     def _work(self) -> None:
+        stream = self.stream
         while True:
-            batch = self._take()
-            if batch is None:
+            work = self._next()
+            if work is None:
                 return
-            kind = batch[0].kind
-            if self.on_batch is not None:
-                self.on_batch(kind, sum(j.size for j in batch))
+            fresh, other, stopping = work
+            for job in fresh:
+                try:
+                    done = stream.admit(job, job.kind, job.payload, job.enqueued)
+                except Exception as e:   # noqa: BLE001 -- this request fails alone
+                    logging.exception("job of kind %s failed", job.kind)
+                    done = [(job, None, e)]
+                self._deliver_all(done)
+            if other:
+                self._run(other)
+            if stream is None:
+                continue
+            dispatched = False
+            if stream.inflight < stream.depth:
+                try:
+                    dispatched = stream.dispatch(time.monotonic(), flush=stopping)
+                except StepFailed as f:
+                    self._isolate(f)
+                    continue
+            if stream.inflight and (not dispatched or stream.inflight >= stream.depth):
+                try:
+                    self._deliver_all(stream.collect())
+                except StepFailed as f:
+                    self._isolate(f)
+
+    def _run(self, batch: list[Job]) -> None:
+        kind = batch[0].kind
+        if self.on_batch is not None:
+            self.on_batch(kind, sum(j.size for j in batch))
+        try:
+            results = self.run_batch(kind, [j.payload for j in batch])
+            for job, result in zip(batch, results):
+                self._deliver(job, result, None)
+        except Exception as e:   # noqa: BLE001 -- isolate the job that broke the batch
+            if len(batch) == 1:
+                logging.exception("batch of kind %s failed", kind)
+                self._deliver(batch[0], None, e)
+            else:
+                logging.warning("batch of %d %s jobs failed (%s); retrying them one by one", len(batch), kind, e)
+                self._one_by_one(batch)
+
+    def _isolate(self, failed: StepFailed) -> None:
+        """A device step of the stream raised: its jobs leave the stream and run alone."""
+        jobs = failed.tokens
+        for job in jobs:
+            self.stream.drop(job)
+        if len(jobs) == 1:
+            logging.error("device batch of one %s job failed: %s", jobs[0].kind, failed.error)
+            self._deliver(jobs[0], None, failed.error)
+            return
+        logging.warning("device batch of %d jobs failed (%s); retrying them one by one", len(jobs), failed.error)
+        self._one_by_one(jobs)
+
+    def _one_by_one(self, jobs: list[Job]) -> None:
+        for job in jobs:
             try:
-                results = self.run_batch(kind, [j.payload for j in batch])
-                for job, result in zip(batch, results):
-                    self._deliver(job, result, None)
-            except Exception as e:   # noqa: BLE001 -- isolate the job that broke the batch
-                if len(batch) == 1:
-                    logging.exception("batch of kind %s failed", kind)
-                    self._deliver(batch[0], None, e)
-                else:
-                    logging.warning("batch of %d %s jobs failed (%s); retrying them one by one", len(batch), kind, e)
-                    for job in batch:
-                        try:
-                            self._deliver(job, self.run_batch(kind, [job.payload])[0], None)
-                        except Exception as e1:   # noqa: BLE001
-                            logging.exception("job of kind %s failed", kind)
-                            self._deliver(job, None, e1)
+                self._deliver(job, self.run_batch(job.kind, [job.payload])[0], None)
+            except Exception as e1:   # noqa: BLE001
+                logging.exception("job of kind %s failed", job.kind)
+                self._deliver(job, None, e1)
+
+    def _deliver_all(self, done) -> None:
+        for job, result, error in done:
+            self._deliver(job, result, error)
 
     def _deliver(self, job: Job, result: Any, error: BaseException | None) -> None:
         with self._cond:

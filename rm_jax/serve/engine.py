@@ -113,14 +113,23 @@ class Engine:
             return self._chat(payloads)
         raise ValueError(f"unknown batch kind {kind!r}")
 
+    def score_stream(self, *, max_wait_s: float, on_batch=None):
+        """Continuous batching of the scoring kinds over this engine's scorer (the worker's
+        usual path; ``run_batch`` stays for retrying a job alone)."""
+        from rm_jax.serve.stream import ScoreStream
+        return ScoreStream(self.scorer, {KIND_FULL: "score", KIND_P_PASS: "p_pass"}, self.rows,
+                           max_wait_s=max_wait_s, on_batch=on_batch)
+
+    def rows(self, kind: str, samples: Sequence[Sample], results: Sequence) -> list[dict]:
+        """Scorer results -> the ``launch.score`` rows of a request."""
+        from rm_jax.score.run import p_pass_row, result_row
+        row = result_row if kind == KIND_FULL else p_pass_row
+        return [row(s, r, self.reward) for s, r in zip(samples, results)]
+
     def _score(self, kind: str, payloads: Sequence[Sequence[Sample]]) -> list[list[dict]]:
         """Every request's samples in one scorer call (GRPO groups across requests share prefixes)."""
-        from rm_jax.score.run import p_pass_row, result_row
         flat = [s for samples in payloads for s in samples]
-        if kind == KIND_FULL:
-            rows = [result_row(s, r, self.reward) for s, r in zip(flat, self.scorer.score(flat))]
-        else:
-            rows = [p_pass_row(s, v, self.reward) for s, v in zip(flat, self.scorer.p_pass(flat))]
+        rows = self.rows(kind, flat, self.scorer.score(flat) if kind == KIND_FULL else self.scorer.p_pass(flat))
         out, k = [], 0
         for samples in payloads:
             out.append(rows[k:k + len(samples)])

@@ -1,0 +1,254 @@
+"""Continuous batching for scoring: device batches formed across requests from rendered items.
+
+A request's samples are rendered into items (``Scorer.render``) when the worker admits them; the
+items of every admitted request wait in one pool per mode (``score`` / ``p_pass``). Each device
+step serves the oldest waiting unit -- a GRPO group (one ``prompt_id``, same images, a shared
+prompt prefix) as a whole, or one item -- plus the units that pack best with it:
+
+* a group goes with the groups nearest in shared-prefix length, up to ``batch_size`` prefixes in
+  one prefill, their members in device batches right after (``Scorer.dispatch_shared``), so
+  groups split over requests still share their prefix;
+* an item goes with the window of length-sorted items around it whose padded batch (length
+  bucket x rows, plus the image ladder rung's patches) costs least per item
+  (``Scorer.dispatch_whole``).
+
+Serving the oldest first bounds how long any item waits; choosing its neighbours from the whole
+pool is what keeps device batches full and tightly padded whatever the requests' sizes (a call
+per request mix padded each batch to its own mix). A step is taken once a full batch is waiting,
+the oldest item has waited ``max_wait_s``, or the caller flushes (draining). Results of a request
+are handed back when its last item is read; rows come from the same scorer calls as
+``Scorer.score`` / ``p_pass``, so only the batch a sample lands in differs.
+
+Shapes: every device batch pads to the scorer's buckets, image ladder rungs and suffix widths,
+a bounded set; which of them traffic meets depends on its mix, so warm a server up with a replay
+of it (``benchmarks/serve_load.py`` repeats load windows until one compiles nothing).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from rm_jax.data import loader as loader_lib
+
+
+Done = tuple[Any, Any, "BaseException | None"]   # (token, answer, error): a request finished
+
+
+class StepFailed(Exception):
+    """A device step raised: ``tokens`` are the requests that had items in it."""
+
+    def __init__(self, tokens: list, error: BaseException):
+        super().__init__(str(error))
+        self.tokens, self.error = tokens, error
+
+
+@dataclasses.dataclass
+class _Request:
+    token: Any                 # the caller's handle (the batcher's Job)
+    kind: str
+    samples: Sequence
+    results: list              # per sample: scorer result, None until read
+    left: int                  # items not read yet
+    since: float               # arrival: what the wait bound counts from
+    alive: bool = True
+
+
+@dataclasses.dataclass
+class _Entry:
+    req: _Request
+    item: Any                  # scorer._Item; item.index is the sample's place in its request
+
+
+@dataclasses.dataclass
+class _Step:
+    kind: str
+    parts: list                # [(rows, device result)] -- rows: _Items; entries below line up
+    entries: list[list[_Entry]]
+
+
+Rows = Callable[[str, Sequence, list], Any]    # (kind, samples, scorer results) -> the request's answer
+
+
+class ScoreStream:
+    """``modes``: {request kind: scorer mode ("score" | "p_pass")}; ``rows`` turns a finished
+    request's scorer results into its answer; ``on_batch(kind, rows)`` sees every device batch."""
+
+    def __init__(self, scorer, modes: dict[str, str], rows: Rows, *, max_wait_s: float, depth: int = 2,
+                 on_batch: Callable[[str, int], None] | None = None):
+        self.scorer, self.modes, self.rows = scorer, dict(modes), rows
+        self.max_wait_s, self.depth = float(max_wait_s), int(depth)
+        self.batch_size = scorer.batch_size
+        self.on_batch = on_batch
+        self._pools: dict[str, list[_Entry]] = {kind: [] for kind in self.modes}
+        self._inflight: collections.deque = collections.deque()   # (_Step, part index)
+        self._requests: dict[int, _Request] = {}                    # id(token) -> its request, until done
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    @property
+    def pending(self) -> int:
+        return sum(len(p) for p in self._pools.values())
+
+    @property
+    def kinds(self):
+        return self.modes.keys()
+
+    def admit(self, token, kind: str, samples: Sequence, since: float) -> list[Done]:
+        """Render a request's samples into the pool; returns its answer if it is already
+        complete (no sample could be rendered)."""
+        mode = self.modes[kind]
+        items, errors = self.scorer.render(samples)
+        req = _Request(token, kind, samples, [None] * len(samples), len(items), since)
+        for i, err in errors.items():
+            req.results[i] = self.scorer.error_result(mode, samples[i].id, err)
+        if req.left == 0:
+            return [self._finish(req)]
+        self._requests[id(token)] = req
+        for it in items:
+            self.scorer.prefix_key(it)      # hash the images now, once
+            self._pools[kind].append(_Entry(req, it))
+        return []
+
+    def _finish(self, req: _Request) -> Done:
+        try:
+            return req.token, self.rows(req.kind, req.samples, req.results), None
+        except Exception as e:   # noqa: BLE001 -- this request's answer fails alone
+            return req.token, None, e
+
+    def drop(self, token) -> None:
+        """Forget a request (it is retried alone): its waiting items leave the pool, reads of its
+        items still in flight are ignored."""
+        req = self._requests.pop(id(token), None)
+        if req is not None:
+            req.alive = False
+        for mode in self._pools:
+            self._pools[mode] = [e for e in self._pools[mode] if e.req.token is not token]
+
+    def due(self) -> float | None:
+        """When the oldest waiting item's wait bound runs out (None: nothing waits)."""
+        since = [e.req.since for pool in self._pools.values() for e in pool[:1]]
+        return min(since) + self.max_wait_s if since else None
+
+    def ready(self, now: float, flush: bool = False) -> bool:
+        if not self.pending:
+            return False
+        if flush or any(len(p) >= self.batch_size for p in self._pools.values()):
+            return True
+        return now >= self.due()
+
+    # -- scheduling -----------------------------------------------------------------------------
+
+    def dispatch(self, now: float, flush: bool = False) -> bool:
+        """Dispatch one device step if one is ready (the device runs it asynchronously)."""
+        if not self.ready(now, flush):
+            return False
+        kind = min((k for k, p in self._pools.items() if p), key=lambda k: self._pools[k][0].req.since)
+        mode, pool = self.modes[kind], self._pools[kind]
+        by_item = {id(e.item): e for e in pool}
+        groups, alone = self.scorer.prefix_groups([e.item for e in pool])
+        oldest = pool[0].item
+        group = next((g for g in groups if any(it is oldest for it in g.items)), None)
+        if group is not None:
+            chosen = self._pick_groups(groups, group)
+            taken = [by_item[id(it)] for g in chosen for it in g.items]
+        else:
+            picked = self._pick_items(alone, oldest)
+            taken = [by_item[id(it)] for it in picked]
+        self._remove(kind, taken)
+        try:
+            parts = (self.scorer.dispatch_shared(mode, chosen) if group is not None
+                     else [self.scorer.dispatch_whole(mode, picked)])
+        except Exception as e:   # noqa: BLE001 -- the caller isolates the requests in it
+            raise StepFailed(_tokens(taken), e) from e
+        entries = [[by_item[id(it)] for it in rows] for rows, _ in parts]
+        step = _Step(kind, parts, entries)
+        for k in range(len(parts)):
+            self._inflight.append((step, k))
+            if self.on_batch is not None:
+                self.on_batch(kind, len(parts[k][0]))
+        return True
+
+    def _remove(self, kind: str, taken: list[_Entry]) -> None:
+        gone = {id(e) for e in taken}
+        self._pools[kind] = [e for e in self._pools[kind] if id(e) not in gone]
+
+    def _pick_groups(self, groups: list, first) -> list:
+        """``first`` and the groups nearest it in shared length, up to batch_size prefixes and
+        about 4 device batches of members (one step's length)."""
+        order = sorted(groups, key=lambda g: g.n_shared)
+        at = next(k for k, g in enumerate(order) if g is first)
+        lo, hi, chosen, members = at, at + 1, [first], len(first.items)
+        while len(chosen) < self.batch_size and members < 4 * self.batch_size and (lo > 0 or hi < len(order)):
+            left = order[lo - 1] if lo > 0 else None
+            right = order[hi] if hi < len(order) else None
+            if right is None or (left is not None and first.n_shared - left.n_shared <= right.n_shared - first.n_shared):
+                chosen.append(left)
+                lo -= 1
+            else:
+                chosen.append(right)
+                hi += 1
+            members += len(chosen[-1].items)
+        return chosen
+
+    def _pick_items(self, items: list, first) -> list:
+        """The window of ``batch_size`` length-sorted items holding ``first`` whose padded batch
+        costs least per item; all of them when fewer wait."""
+        order = sorted(items, key=lambda it: len(it.ids))
+        B = self.batch_size
+        if len(order) <= B:
+            return order
+        at = next(k for k, it in enumerate(order) if it is first)
+        patches = np.cumsum([0] + [len(it.rendered.pixel_values) if it.rendered.has_image else 0 for it in order])
+        images = np.cumsum([0] + [len(it.rendered.image_grid_thw) for it in order])
+        ladder = self.scorer._ladder
+        best, best_cost = None, None
+        for lo in range(max(0, at - B + 1), min(at, len(order) - B) + 1):
+            hi = lo + B
+            cost = B * loader_lib.pick_bucket(len(order[hi - 1].ids), self.scorer.buckets)
+            p, g = int(patches[hi] - patches[lo]), int(images[hi] - images[lo])
+            cost += ladder.pad(p, g)[0] if ladder is not None else p
+            if best_cost is None or cost < best_cost:
+                best, best_cost = lo, cost
+        return order[best:best + B]
+
+    # -- results --------------------------------------------------------------------------------
+
+    def collect(self) -> list[Done]:
+        """Fetch the oldest device batch in flight; returns the answers of the requests it
+        completed."""
+        step, k = self._inflight.popleft()
+        rows, result = step.parts[k]
+        entries = step.entries[k]
+        try:
+            got = jax.device_get(result)
+            read = self.scorer.read(self.modes[step.kind], rows, got)
+        except Exception as e:   # noqa: BLE001
+            raise StepFailed(_tokens(entries), e) from e
+        done = []
+        for e, r in zip(entries, read):
+            if not e.req.alive:
+                continue
+            e.req.results[e.item.index] = r
+            e.req.left -= 1
+            if e.req.left == 0:
+                self._requests.pop(id(e.req.token), None)
+                done.append(self._finish(e.req))
+        return done
+
+
+def _tokens(entries: list[_Entry]) -> list:
+    seen, out = set(), []
+    for e in entries:
+        if e.req.alive and id(e.req) not in seen:
+            seen.add(id(e.req))
+            out.append(e.req.token)
+    return out
