@@ -88,7 +88,7 @@ def check_contract(s: dict) -> None:
         props = next(t for t in s["tools"] if t["function"]["name"] == c["function"]["name"])["function"]["parameters"]
         assert set(args) <= set(props["properties"]), where
         for k, v in args.items():
-            enum = props["properties"][k].get("enum")
+            enum = synth.TOOLS[c["function"]["name"]]["function"]["parameters"]["properties"][k].get("enum")
             assert enum is None or v in enum, f"{where}: {k}={v!r} not in the schema enum"
     if not resp["tool_calls"]:
         assert isinstance(s.get("reference_reply"), str) and s["reference_reply"], where
@@ -130,6 +130,23 @@ def test_contract_and_images(dataset):
         # img is null exactly when the conversation holds no image.
         assert (s["label"]["img"] is None) == (not imgs), s["id"]
     assert any(conversation_images(s) for s in samples) and any(not conversation_images(s) for s in samples)
+
+
+def test_listed_schemas_leave_out_the_enums(dataset):
+    """A sample lists its tools without enum lists (the catalogue keeps them): an enum names every
+    value of its pool, so with it a wrong value would appear in the judge's input as often as the
+    right one. Everything else a judge or the rules check (types, ranges, required) is listed."""
+    _, samples, _ = dataset
+    for s in samples:
+        for t in s["tools"]:
+            fn = t["function"]
+            full = synth.TOOLS[fn["name"]]["function"]
+            assert fn["parameters"]["required"] == full["parameters"]["required"], s["id"]
+            assert fn["parameters"]["properties"].keys() == full["parameters"]["properties"].keys()
+            for k, prop in fn["parameters"]["properties"].items():
+                assert "enum" not in prop, f"{s['id']}: {fn['name']}.{k} lists its enum"
+                assert prop == {a: b for a, b in full["parameters"]["properties"][k].items() if a != "enum"}
+    assert any("enum" in p for t in synth.TOOLS.values() for p in t["function"]["parameters"]["properties"].values())
 
 
 def test_reference_images_are_varied_non_square(dataset):
