@@ -378,3 +378,19 @@ def test_rule_violating_samples_get_the_gate_or_the_penalty(tmp_path):
     with open(tmp_path / "e" / "samples.jsonl", "rb") as f:
         plain = [schema.parse_line(line, line=i + 1, base_dir=str(tmp_path / "e")) for i, line in enumerate(f)]
     assert not any(rule_check(s).codes for s in plain)
+
+
+def test_copy_match_diagnostic():
+    """launch.synth_diagnose's score: the share of a response's pool values seen before it."""
+    from launch.synth_diagnose import copy_match
+    call = {"id": "c", "type": "function", "function": {"name": "generate_image", "arguments": {
+        "prompt": "a red star", "aspect_ratio": "4:3", "count": 2}}}
+    sample = {"messages": [{"role": "system", "content": "sys"},
+                           {"role": "user", "content": "I need 2 images: a red star, 16:9."}],
+              "tools": [synth.TOOLS["generate_image"]],
+              "response": {"content": None, "tool_calls": [call]}}
+    conv, listed = copy_match(sample)
+    assert conv == pytest.approx(3 / 4)          # red, star, 2 seen; 4:3 is not
+    assert listed == 1.0                         # the full schema's enum names 4:3 too
+    sample["tools"] = [synth.listed_schema(synth.TOOLS["generate_image"])]
+    assert copy_match(sample)[1] == pytest.approx(3 / 4)
