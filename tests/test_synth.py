@@ -88,7 +88,7 @@ def check_contract(s: dict) -> None:
         props = next(t for t in s["tools"] if t["function"]["name"] == c["function"]["name"])["function"]["parameters"]
         assert set(args) <= set(props["properties"]), where
         for k, v in args.items():
-            enum = props["properties"][k].get("enum")
+            enum = synth.TOOLS[c["function"]["name"]]["function"]["parameters"]["properties"][k].get("enum")
             assert enum is None or v in enum, f"{where}: {k}={v!r} not in the schema enum"
     if not resp["tool_calls"]:
         assert isinstance(s.get("reference_reply"), str) and s["reference_reply"], where
@@ -130,6 +130,23 @@ def test_contract_and_images(dataset):
         # img is null exactly when the conversation holds no image.
         assert (s["label"]["img"] is None) == (not imgs), s["id"]
     assert any(conversation_images(s) for s in samples) and any(not conversation_images(s) for s in samples)
+
+
+def test_listed_schemas_leave_out_the_enums(dataset):
+    """A sample lists its tools without enum lists (the catalogue keeps them): an enum names every
+    value of its pool, so with it a wrong value would appear in the judge's input as often as the
+    right one. Everything else a judge or the rules check (types, ranges, required) is listed."""
+    _, samples, _ = dataset
+    for s in samples:
+        for t in s["tools"]:
+            fn = t["function"]
+            full = synth.TOOLS[fn["name"]]["function"]
+            assert fn["parameters"]["required"] == full["parameters"]["required"], s["id"]
+            assert fn["parameters"]["properties"].keys() == full["parameters"]["properties"].keys()
+            for k, prop in fn["parameters"]["properties"].items():
+                assert "enum" not in prop, f"{s['id']}: {fn['name']}.{k} lists its enum"
+                assert prop == {a: b for a, b in full["parameters"]["properties"][k].items() if a != "enum"}
+    assert any("enum" in p for t in synth.TOOLS.values() for p in t["function"]["parameters"]["properties"].values())
 
 
 def test_reference_images_are_varied_non_square(dataset):
@@ -361,3 +378,19 @@ def test_rule_violating_samples_get_the_gate_or_the_penalty(tmp_path):
     with open(tmp_path / "e" / "samples.jsonl", "rb") as f:
         plain = [schema.parse_line(line, line=i + 1, base_dir=str(tmp_path / "e")) for i, line in enumerate(f)]
     assert not any(rule_check(s).codes for s in plain)
+
+
+def test_copy_match_diagnostic():
+    """launch.synth_diagnose's score: the share of a response's pool values seen before it."""
+    from launch.synth_diagnose import copy_match
+    call = {"id": "c", "type": "function", "function": {"name": "generate_image", "arguments": {
+        "prompt": "a red star", "aspect_ratio": "4:3", "count": 2}}}
+    sample = {"messages": [{"role": "system", "content": "sys"},
+                           {"role": "user", "content": "I need 2 images: a red star, 16:9."}],
+              "tools": [synth.TOOLS["generate_image"]],
+              "response": {"content": None, "tool_calls": [call]}}
+    conv, listed = copy_match(sample)
+    assert conv == pytest.approx(3 / 4)          # red, star, 2 seen; 4:3 is not
+    assert listed == 1.0                         # the full schema's enum names 4:3 too
+    sample["tools"] = [synth.listed_schema(synth.TOOLS["generate_image"])]
+    assert copy_match(sample)[1] == pytest.approx(3 / 4)
