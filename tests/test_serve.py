@@ -325,7 +325,12 @@ def test_full_queue_answers_503_with_retry_after(server, http, raw_samples):
     assert http.post("/v1/score", json={"samples": [raw_samples["p0-s0"]], "mode": "p_pass"}).status_code == 200
 
 
-def test_metrics_count_requests_latency_batches_and_queue(http):
+def test_metrics_count_requests_latency_batches_and_queue(server, http, raw_samples):
+    # its own requests of each kind: under xdist the module's other tests may run on another worker
+    assert http.post("/v1/score", json={"samples": [{"id": "x", "pad": "a" * (2 << 20)}]}).status_code == 413
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert http.post("/get_reward", json={"query": [], "prompts": [], "labels": []}).status_code == 200
+    assert http.post("/v1/score", json={"samples": [raw_samples["p0-s0"]], "mode": "full"}).status_code == 200
     text = http.get("/metrics").text
     for needle in ('rm_jax_requests_total{endpoint="/v1/score",status="200"}',
                    'rm_jax_requests_total{endpoint="/v1/score",status="413"}',
