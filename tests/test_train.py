@@ -389,6 +389,7 @@ def test_context_mask_marks_the_prompt_tail_before_the_target():
     np.testing.assert_array_equal(loop.context_mask(b, 4, img, passing_only=True), want)
 
 
+@pytest.mark.slow   # an off-by-default loss term (train.context_lm_weight=0): suite time
 def test_context_lm_term_is_the_prompt_tail_nll_added_with_its_weight(tiny_cfg, built_shards):
     """`context_loss` is the mean next-token NLL (from the model's own logits) over the marked
     prompt tokens; the objective is `loss + weight * context_loss`; `loss` stays target-only."""
@@ -429,6 +430,7 @@ def test_context_lm_term_is_the_prompt_tail_nll_added_with_its_weight(tiny_cfg, 
     np.testing.assert_allclose(objective, ref_target + 0.5 * ref_ctx + cfg.moe.lb_coef * lb, rtol=1e-5)
 
 
+@pytest.mark.slow   # validation cadence and its metrics stay in the default suite: suite time
 def test_validation_reads_the_scorers_p_pass_at_the_verdict_slot(tiny_cfg, synth_dir, renderer, built_shards):
     """Held-out validation reads P(pass) from its own teacher-forced forward at verdict_pos - 1.
     Causal attention makes that the scorer's prompt + '{"l3": "' prefill: equal to 1e-5 on the
