@@ -1,0 +1,91 @@
+"""Can the demo's tiny judge learn a key-value comparison from a verdict alone? (issue 16 probe)
+
+    python -m benchmarks.recall_probe --pairs=8 --steps=5000 [--recall_steps=3000]
+
+Sequence: BOS k1 v1 ... kP vP SEP q v VERDICT; the label is pass iff v is q's value (half the
+time). The model is configs/tiny.py's Qwen3-VL-MoE (vocab 128), trained with Adam on CE of
+{pass, fail} at the last position, fresh samples every step; ``--recall_steps`` first trains the
+policy's objective (write q's value after "SEP q") on passing sequences. Prints held-out AUC
+(512 sequences) against steps and wall seconds. A measurement, not a test.
+"""
+import time
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+from sklearn.metrics import roc_auc_score
+from configs.tiny import model_config
+from rm_jax.model import registry
+from rm_jax.model.config import RuntimeOptions
+from rm_jax.model.inputs import prepare_inputs
+
+from absl import app, flags
+
+flags.DEFINE_integer("steps", 5000, "verdict steps")
+flags.DEFINE_integer("batch", 32, "sequences per step")
+flags.DEFINE_integer("pairs", 8, "key-value pairs per sequence (1: a fixed-offset comparison)")
+flags.DEFINE_float("lr", 3e-3, "peak learning rate")
+flags.DEFINE_integer("recall_steps", 0, "policy-objective steps first")
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    STEPS, B, NKV, LR, PRE = f.steps, f.batch, f.pairs, f.lr, f.recall_steps
+    d = model_config().to_dict(); d["text_config"]["vocab_size"] = 128
+    cfg = registry.config_from_hf_dict(d, RuntimeOptions(dtype="float32", param_dtype="float32"))
+    model = registry.init_model(cfg, seed=0)
+    KEYS, VALS, BOS, SEP, VER, PASS, FAIL = np.arange(20, 40), np.arange(40, 60), 11, 12, 13, 14, 15
+    rng = np.random.default_rng(0)
+
+    def batch(n, force_ok=False):
+        ids, y = [], []
+        for _ in range(n):
+            k = rng.choice(KEYS, NKV, replace=False); v = rng.choice(VALS, NKV)
+            q = rng.integers(NKV); ok = force_ok or rng.random() < 0.5
+            vq = v[q] if ok else rng.choice([x for x in VALS if x != v[q]])
+            ids.append([BOS, *np.stack([k, v], 1).ravel(), SEP, k[q], vq, VER]); y.append(ok)
+        return np.array(ids, np.int32), np.array(y)
+
+    graphdef, state = nnx.split(model)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(optax.warmup_cosine_decay_schedule(0, LR, 20, STEPS + PRE)))
+    ostate = opt.init(state)
+
+    def loss_fn(state, inputs, y):
+        out = nnx.merge(graphdef, state).forward_arrays(inputs)
+        lg = out.logits_btv[:, -1, :][:, jnp.array([FAIL, PASS])]
+        return optax.softmax_cross_entropy_with_integer_labels(lg, y.astype(jnp.int32)).mean(), jax.nn.softmax(lg)[:, 1]
+
+    def recall_loss(state, inputs, ids):
+        # the policy's objective: after "SEP q", write q's value (next-token CE at that one slot)
+        out = nnx.merge(graphdef, state).forward_arrays(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(out.logits_btv[:, -3, :], ids[:, -2]).mean()
+
+    @jax.jit
+    def pre_step(state, ostate, inputs, ids):
+        l, g = jax.value_and_grad(recall_loss)(state, inputs, ids)
+        u, ostate = opt.update(g, ostate, state)
+        return optax.apply_updates(state, u), ostate, l
+
+    @jax.jit
+    def step(state, ostate, inputs, y):
+        (l, _), g = jax.value_and_grad(loss_fn, has_aux=True)(state, inputs, y)
+        u, ostate = opt.update(g, ostate, state)
+        return optax.apply_updates(state, u), ostate, l
+
+    evalf = jax.jit(lambda s, i, y: loss_fn(s, i, y)[1])
+    vi, vy = batch(512); vin = prepare_inputs(cfg, vi)
+    t0 = time.time()
+    for s in range(1, PRE + 1):
+        i, _ = batch(B, force_ok=True)     # passing sequences: the value written is the right one
+        state, ostate, l = pre_step(state, ostate, prepare_inputs(cfg, i), jnp.asarray(i))
+        if s % max(1, PRE // 5) == 0:
+            print(f"recall step {s} loss {float(l):.3f} wall {time.time() - t0:.0f}s", flush=True)
+    for s in range(1, STEPS + 1):
+        i, y = batch(B)
+        state, ostate, l = step(state, ostate, prepare_inputs(cfg, i), jnp.asarray(y))
+        if s % max(1, STEPS // 10) == 0:
+            p = np.asarray(evalf(state, vin, jnp.asarray(vy)))
+            print(f"step {s} loss {float(l):.3f} heldout AUC {roc_auc_score(vy, p):.3f} wall {time.time() - t0:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
