@@ -117,7 +117,8 @@ def _stream_in_process(engine, parsed: list, clients: int, seconds: float, seed:
         sizes[token] = k
         batch = [parsed[(cursor + i) % len(parsed)] for i in range(k)]
         cursor = (cursor + k) % len(parsed)
-        assert not stream.admit(token, KIND_FULL, batch, time.monotonic())
+        done = stream.admit(token, KIND_FULL, batch, time.monotonic())
+        assert not done, "a request of parsed samples cannot finish at admission"
     start = time.perf_counter()
     timed, end = start + seconds / 2, start + seconds
     for token in range(clients):

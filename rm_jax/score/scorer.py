@@ -206,7 +206,7 @@ class Scorer:
                   for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, 0, "p_pass"))
         whole = ((batch, self._whole_call("p_pass", batch, inputs, None)) for batch, inputs in self._batches(items, "p_pass"))
         for batch, got in itertools.chain(_in_flight(shared), _in_flight(whole)):
-            for it, row in zip(batch, self._read("p_pass", batch, got)):
+            for it, row in zip(batch, self.read("p_pass", batch, got)):
                 out[it.index] = row
         return out  # type: ignore[return-value]
 
@@ -229,7 +229,7 @@ class Scorer:
         whole = ((batch, self._whole_call("score", batch, inputs, forced_ids))
                  for batch, inputs in self._batches(items, "score"))
         for batch, gen in itertools.chain(_in_flight(shared), _in_flight(whole)):
-            for it, row in zip(batch, self._read("score", batch, gen)):
+            for it, row in zip(batch, self.read("score", batch, gen)):
                 out[it.index] = row
         return out  # type: ignore[return-value]
 
@@ -277,10 +277,6 @@ class Scorer:
         return JudgeResult(sample_id, math.nan, None, None, (), None, False, "error", math.nan, "", 0,
                            False, False, -1, error)
 
-    def read(self, mode: str, rows: list[_Item], host_result) -> list:
-        """A fetched device result -> one VerdictScore (``p_pass``) or JudgeResult (``score``) per row."""
-        return self._read(mode, rows, host_result)
-
     def _shared_call(self, mode: str, part, cache, rows_b, tokens_bn, n_b, forced_ids):
         if mode == "p_pass":
             return self.decoder.extend_slot_logits(cache, rows_b, tokens_bn, n_b, self.pass_id, self.fail_id)
@@ -299,7 +295,8 @@ class Scorer:
     def _match0(self) -> np.ndarray:
         return np.full(self.batch_size, self._full_state if self.verdict_first else 0, np.int32)
 
-    def _read(self, mode: str, batch: list[_Item], got) -> list:
+    def read(self, mode: str, batch: list[_Item], got) -> list:
+        """A fetched device result -> one VerdictScore (``p_pass``) or JudgeResult (``score``) per row."""
         if mode == "score":
             return [self._result(it.rendered.id, got, row) for row, it in enumerate(batch)]
         if isinstance(got, tuple):         # slot logits (verdict-first: whole or after a shared prefix)
