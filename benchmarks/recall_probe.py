@@ -24,6 +24,20 @@ flags.DEFINE_integer("batch", 32, "sequences per step")
 flags.DEFINE_integer("pairs", 8, "key-value pairs per sequence (1: a fixed-offset comparison)")
 flags.DEFINE_float("lr", 3e-3, "peak learning rate")
 flags.DEFINE_integer("recall_steps", 0, "policy-objective steps first")
+flags.DEFINE_multi_string("text", [], "text_config overrides, key=value (e.g. hidden_size=128, mlp_only_layers=0,1,2,3)")
+flags.DEFINE_integer("filler", 0, "random filler tokens between the pairs and the query (a longer context)")
+
+
+def _override(text_config: dict, items: list[str]) -> None:
+    for item in items:
+        key, value = item.split("=", 1)
+        if key not in text_config:
+            raise ValueError(f"unknown text_config key {key!r}")
+        old = text_config[key]
+        if isinstance(old, (tuple, list)):
+            text_config[key] = tuple(int(x) for x in value.split(",") if x)
+        else:
+            text_config[key] = type(old)(value)
 
 
 def main(argv):
@@ -31,6 +45,8 @@ def main(argv):
     f = flags.FLAGS
     STEPS, B, NKV, LR, PRE = f.steps, f.batch, f.pairs, f.lr, f.recall_steps
     d = model_config().to_dict(); d["text_config"]["vocab_size"] = 128
+    _override(d["text_config"], f.text)
+    FILL = f.filler
     cfg = registry.config_from_hf_dict(d, RuntimeOptions(dtype="float32", param_dtype="float32"))
     model = registry.init_model(cfg, seed=0)
     KEYS, VALS, BOS, SEP, VER, PASS, FAIL = np.arange(20, 40), np.arange(40, 60), 11, 12, 13, 14, 15
@@ -42,7 +58,8 @@ def main(argv):
             k = rng.choice(KEYS, NKV, replace=False); v = rng.choice(VALS, NKV)
             q = rng.integers(NKV); ok = force_ok or rng.random() < 0.5
             vq = v[q] if ok else rng.choice([x for x in VALS if x != v[q]])
-            ids.append([BOS, *np.stack([k, v], 1).ravel(), SEP, k[q], vq, VER]); y.append(ok)
+            fill = rng.integers(60, 128, FILL)
+            ids.append([BOS, *np.stack([k, v], 1).ravel(), *fill, SEP, k[q], vq, VER]); y.append(ok)
         return np.array(ids, np.int32), np.array(y)
 
     graphdef, state = nnx.split(model)
