@@ -25,6 +25,8 @@ flags.DEFINE_integer("pairs", 8, "key-value pairs per sequence (1: a fixed-offse
 flags.DEFINE_float("lr", 3e-3, "peak learning rate")
 flags.DEFINE_integer("recall_steps", 0, "policy-objective steps first")
 flags.DEFINE_multi_string("text", [], "text_config overrides, key=value (e.g. hidden_size=128, mlp_only_layers=0,1,2,3)")
+flags.DEFINE_integer("seed", 0, "model init and data seed")
+flags.DEFINE_float("qk_gain", 1.0, "initial q_norm/k_norm gain (attention logits are bounded by gain^2 * sqrt(head_dim))")
 flags.DEFINE_integer("filler", 0, "random filler tokens between the pairs and the query (a longer context)")
 
 
@@ -48,9 +50,9 @@ def main(argv):
     _override(d["text_config"], f.text)
     FILL = f.filler
     cfg = registry.config_from_hf_dict(d, RuntimeOptions(dtype="float32", param_dtype="float32"))
-    model = registry.init_model(cfg, seed=0)
+    model = registry.init_model(cfg, seed=f.seed)
     KEYS, VALS, BOS, SEP, VER, PASS, FAIL = np.arange(20, 40), np.arange(40, 60), 11, 12, 13, 14, 15
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(f.seed)
 
     def batch(n, force_ok=False):
         ids, y = [], []
@@ -63,6 +65,11 @@ def main(argv):
         return np.array(ids, np.int32), np.array(y)
 
     graphdef, state = nnx.split(model)
+    if f.qk_gain != 1.0:
+        def scale(path, x):
+            names = "/".join(str(getattr(k, "key", k)) for k in path)
+            return x * f.qk_gain if ("q_norm" in names or "k_norm" in names) else x
+        state = jax.tree_util.tree_map_with_path(scale, state)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(optax.warmup_cosine_decay_schedule(0, LR, 20, STEPS + PRE)))
     ostate = opt.init(state)
 
