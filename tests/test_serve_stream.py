@@ -110,6 +110,29 @@ def test_stream_rows_equal_each_request_alone_in_order_groups_shared(scorer, req
     assert split and whole & prefilled, (whole, prefilled)
 
 
+def test_spare_member_rows_take_lone_items_and_split_groups(scorer, requests, monkeypatch):
+    """One device batch of members per step (``parts=1``): a group of 3 leaves a spare row, which
+    a lone item (a one-member group) or a member split off another group takes; the rows still
+    equal each request scored alone."""
+    from rm_jax.serve.stream import ScoreStream
+    alone = [scorer.p_pass(r) for r in requests]
+    stream = ScoreStream(scorer, {"k": "p_pass"}, lambda kind, samples, results: list(results), max_wait_s=0.0,
+                         parts=1)
+    seen, spy = _shared_spy(scorer)
+    monkeypatch.setattr(scorer, "dispatch_shared", spy)
+    done = _drain(stream, [(i, "k", r) for i, r in enumerate(requests)])
+    for i in range(len(requests)):
+        answer, err = done[i]
+        assert err is None
+        np.testing.assert_allclose([x.p_pass for x in answer], [x.p_pass for x in alone[i]], atol=1e-5)
+    scored = [s for r, rows in zip(requests, alone) for s, row in zip(r, rows) if row.error is None]
+    size = {p: sum(s.prompt_id == p for s in scored) for p in {s.prompt_id for s in scored}}
+    by_id = {s.id: s.prompt_id for s in scored}
+    filled = [step for step in seen
+              if sum(map(len, step)) == BATCH and any(len(ids) < size[by_id[ids[0]]] for ids in step)]
+    assert filled, seen
+
+
 @pytest.mark.slow   # ~2 min on 2 cores; the server's drain and 503 paths run in test_serve.py
 def test_batcher_with_stream_answers_concurrent_jobs_and_drains(scorer, requests):
     """The worker thread over the stream: concurrent submits each get their own rows; stop()
