@@ -47,6 +47,12 @@ def requests(synth_dir, scorer):
     return out
 
 
+@pytest.fixture(scope="module")
+def alone_p_pass(scorer, requests):
+    """Each request's P(pass) scored alone: the reference of the p_pass stream tests."""
+    return [scorer.p_pass(r) for r in requests]
+
+
 def _drain(stream, admitted):
     """Run the stream to the end as the worker does: dispatch while fewer than depth are in
     flight, collect otherwise; returns {token: (answer, error)}."""
@@ -75,9 +81,9 @@ def _shared_spy(scorer):
 # "score" decodes every request alone as the reference (~2.5 min on 2 cores): slow; the HTTP
 # tests (test_serve.py) run full scoring through the stream in the default suite.
 @pytest.mark.parametrize("mode", ["p_pass", pytest.param("score", marks=pytest.mark.slow)])
-def test_stream_rows_equal_each_request_alone_in_order_groups_shared(scorer, requests, mode, monkeypatch):
+def test_stream_rows_equal_each_request_alone_in_order_groups_shared(scorer, requests, mode, monkeypatch, request):
     from rm_jax.serve.stream import ScoreStream
-    alone = [scorer.p_pass(r) if mode == "p_pass" else scorer.score(r) for r in requests]
+    alone = (request.getfixturevalue("alone_p_pass") if mode == "p_pass" else [scorer.score(r) for r in requests])
     batches = []
     stream = ScoreStream(scorer, {"k": mode}, lambda kind, samples, results: list(results), max_wait_s=0.0,
                          on_batch=lambda kind, n: batches.append(n))
@@ -110,12 +116,13 @@ def test_stream_rows_equal_each_request_alone_in_order_groups_shared(scorer, req
     assert split and whole & prefilled, (whole, prefilled)
 
 
-def test_spare_member_rows_take_lone_items_and_split_groups(scorer, requests, monkeypatch):
+@pytest.mark.slow   # ~12 s on 2 cores (parts=1: its own step shapes)
+def test_spare_member_rows_take_lone_items_and_split_groups(scorer, requests, alone_p_pass, monkeypatch):
     """One device batch of members per step (``parts=1``): a group of 3 leaves a spare row, which
     a lone item (a one-member group) or a member split off another group takes; the rows still
     equal each request scored alone."""
     from rm_jax.serve.stream import ScoreStream
-    alone = [scorer.p_pass(r) for r in requests]
+    alone = alone_p_pass
     stream = ScoreStream(scorer, {"k": "p_pass"}, lambda kind, samples, results: list(results), max_wait_s=0.0,
                          parts=1)
     seen, spy = _shared_spy(scorer)
