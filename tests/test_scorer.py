@@ -293,12 +293,18 @@ def _unshared(judge, renderer):
                   max_new_tokens=48, progress=False, share_prefix=False)
 
 
-def test_shared_prefix_p_pass_equals_whole_prompts(judge, renderer, synth_dir, scorer):
+@pytest.fixture(scope="module")
+def whole_p_pass(judge, renderer, synth_dir, scorer):
+    """P(pass) of the GRPO groups' samples, every prompt scored whole: {id: VerdictScore}."""
+    return {s.id: s for s in _unshared(judge, renderer).p_pass(_grpo_groups(judge, synth_dir, scorer))}
+
+
+def test_shared_prefix_p_pass_equals_whole_prompts(judge, renderer, synth_dir, scorer, whole_p_pass):
     """GRPO groups: the responses to one prompt share the rendered prompt up to the response. The
     scorer prefills that prefix once per group and runs only each response after it; P(pass)
     equals scoring every prompt whole."""
     chosen = _grpo_groups(judge, synth_dir, scorer)
-    shared_p, whole_p = scorer.p_pass(chosen), _unshared(judge, renderer).p_pass(chosen)
+    shared_p, whole_p = scorer.p_pass(chosen), [whole_p_pass[s.id] for s in chosen]
     np.testing.assert_allclose([s.p_pass for s in shared_p], [s.p_pass for s in whole_p], rtol=0, atol=1e-5)
 
 
@@ -318,3 +324,26 @@ def test_shared_prefix_decodes_and_matches_transformers(judge, renderer, synth_d
     for a, b in zip(scorer.score(chosen), _unshared(judge, renderer).score(chosen)):
         assert (a.text, a.n_new_tokens, a.verdict) == (b.text, b.n_new_tokens, b.verdict)
         assert abs(a.p_pass - b.p_pass) < 1e-5
+
+
+@pytest.mark.slow   # ~8 s on 2 cores (its own prefill shapes)
+def test_one_member_and_split_groups_equal_whole_prompts(judge, renderer, synth_dir, scorer, whole_p_pass):
+    """The server fills a prefix step's spare member rows with lone items (``one_group``: the
+    prompt but its last token as the prefix) and with members split off a group (the group's
+    prefix): P(pass) equals scoring the prompts whole. A split that would leave image tokens in
+    the suffix is refused."""
+    import jax
+    chosen = _grpo_groups(judge, synth_dir, scorer)
+    groups, _ = scorer._prefix_groups(scorer.render(chosen)[0])
+    img_a, img_b, text = groups
+    ones = [scorer.one_group(it, max(BUCKETS)) for it in (img_b.items[0], text.items[0])]
+    assert all(g is not None and g.n_shared == len(g.items[0].ids) - 1 for g in ones)
+    units = [dataclasses.replace(img_a, items=img_a.items[1:2])] + ones      # 3 prefixes, 3 rows
+    got = {}
+    for rows, result in scorer.dispatch_shared("p_pass", units):
+        got.update((r.id, r.p_pass) for r in scorer.read("p_pass", rows, jax.device_get(result)))
+    assert len(got) == 3
+    whole = {k: s.p_pass for k, s in whole_p_pass.items()}
+    np.testing.assert_allclose([got[k] for k in got], [whole[k] for k in got], rtol=0, atol=1e-5)
+    last_image = int(np.flatnonzero(img_b.items[0].ids == judge[2].image_token_id)[-1])
+    assert scorer.one_group(img_b.items[0], last_image) is None

@@ -47,6 +47,12 @@ def requests(synth_dir, scorer):
     return out
 
 
+@pytest.fixture(scope="module")
+def alone_p_pass(scorer, requests):
+    """Each request's P(pass) scored alone: the reference of the p_pass stream tests."""
+    return [scorer.p_pass(r) for r in requests]
+
+
 def _drain(stream, admitted):
     """Run the stream to the end as the worker does: dispatch while fewer than depth are in
     flight, collect otherwise; returns {token: (answer, error)}."""
@@ -75,9 +81,9 @@ def _shared_spy(scorer):
 # "score" decodes every request alone as the reference (~2.5 min on 2 cores): slow; the HTTP
 # tests (test_serve.py) run full scoring through the stream in the default suite.
 @pytest.mark.parametrize("mode", ["p_pass", pytest.param("score", marks=pytest.mark.slow)])
-def test_stream_rows_equal_each_request_alone_in_order_groups_shared(scorer, requests, mode, monkeypatch):
+def test_stream_rows_equal_each_request_alone_in_order_groups_shared(scorer, requests, mode, monkeypatch, request):
     from rm_jax.serve.stream import ScoreStream
-    alone = [scorer.p_pass(r) if mode == "p_pass" else scorer.score(r) for r in requests]
+    alone = (request.getfixturevalue("alone_p_pass") if mode == "p_pass" else [scorer.score(r) for r in requests])
     batches = []
     stream = ScoreStream(scorer, {"k": mode}, lambda kind, samples, results: list(results), max_wait_s=0.0,
                          on_batch=lambda kind, n: batches.append(n))
@@ -108,6 +114,30 @@ def test_stream_rows_equal_each_request_alone_in_order_groups_shared(scorer, req
     failed = {s.id for r, rows in zip(requests, alone) for s, row in zip(r, rows) if row.error is not None}
     whole = {tuple(sorted(s.id for r in requests for s in r if s.prompt_id == p and s.id not in failed)) for p in split}
     assert split and whole & prefilled, (whole, prefilled)
+
+
+@pytest.mark.slow   # ~12 s on 2 cores (parts=1: its own step shapes)
+def test_spare_member_rows_take_lone_items_and_split_groups(scorer, requests, alone_p_pass, monkeypatch):
+    """One device batch of members per step (``parts=1``): a group of 3 leaves a spare row, which
+    a lone item (a one-member group) or a member split off another group takes; the rows still
+    equal each request scored alone."""
+    from rm_jax.serve.stream import ScoreStream
+    alone = alone_p_pass
+    stream = ScoreStream(scorer, {"k": "p_pass"}, lambda kind, samples, results: list(results), max_wait_s=0.0,
+                         parts=1)
+    seen, spy = _shared_spy(scorer)
+    monkeypatch.setattr(scorer, "dispatch_shared", spy)
+    done = _drain(stream, [(i, "k", r) for i, r in enumerate(requests)])
+    for i in range(len(requests)):
+        answer, err = done[i]
+        assert err is None
+        np.testing.assert_allclose([x.p_pass for x in answer], [x.p_pass for x in alone[i]], atol=1e-5)
+    scored = [s for r, rows in zip(requests, alone) for s, row in zip(r, rows) if row.error is None]
+    size = {p: sum(s.prompt_id == p for s in scored) for p in {s.prompt_id for s in scored}}
+    by_id = {s.id: s.prompt_id for s in scored}
+    filled = [step for step in seen
+              if sum(map(len, step)) == BATCH and any(len(ids) < size[by_id[ids[0]]] for ids in step)]
+    assert filled, seen
 
 
 @pytest.mark.slow   # ~2 min on 2 cores; the server's drain and 503 paths run in test_serve.py

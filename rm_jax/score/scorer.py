@@ -71,6 +71,9 @@ from rm_jax.model.registry import prepare_inputs
 from rm_jax.sharding import logical_to_spec
 
 
+SUFFIX_ROOM = 128   # KV slots a prefix cache keeps for member suffixes, at least
+
+
 @dataclasses.dataclass(frozen=True)
 class VerdictScore:
     id: str
@@ -253,6 +256,22 @@ class Scorer:
             return [], list(items)
         return self._prefix_groups(items)
 
+    @staticmethod
+    def suffix_width(longest: int) -> int:
+        """The padded suffix width of a prefix batch whose longest member suffix is ``longest``."""
+        return max(16, 1 << (int(longest) - 1).bit_length())     # few static suffix widths
+
+    def one_group(self, it: _Item, longest_prefix: int) -> _PrefixGroup | None:
+        """``it`` as a one-member prefix group: its prompt up to the last token (at most
+        ``longest_prefix`` tokens, every image token in it) is the prefix. A lone item then fills a
+        shared step's spare member rows instead of a whole-prompt batch of its own; any split
+        point reads the same slot (the shared-prefix path is exact). None: no valid split."""
+        n = min(len(it.ids) - 1, int(longest_prefix))
+        images = np.flatnonzero(it.ids == self.model.cfg.image_token_id)
+        if n < 1 or (len(images) and n <= int(images[-1])):
+            return None
+        return _PrefixGroup([it], n)
+
     def dispatch_whole(self, mode: str, items: list[_Item]):
         """One device batch of at most ``batch_size`` whole prompts: (rows, device result)."""
         if not 0 < len(items) <= self.batch_size:
@@ -378,10 +397,11 @@ class Scorer:
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start:start + self.batch_size]
                 inputs = self._collate([(g.items[0].ids[:g.n_shared], g.items[0].rendered) for g in chunk])
-                longest = max(len(g.suffix(it)) for g in chunk for it in g.items)
-                width = max(16, 1 << (longest - 1).bit_length())     # few static suffix widths
-                _, cache = self.decoder.prefill(self._to_device(inputs),
-                                                inputs.input_ids_bt.shape[1] + width + extra_slots)
+                width = self.suffix_width(max(len(g.suffix(it)) for g in chunk for it in g.items))
+                # Room for SUFFIX_ROOM suffix tokens at least, so the prefill's shape does not
+                # change with the suffix width below it (one compile per bucket and rung).
+                room = max(width, SUFFIX_ROOM)
+                _, cache = self.decoder.prefill(self._to_device(inputs), inputs.input_ids_bt.shape[1] + room + extra_slots)
                 rows = [(r, g, it) for r, g in enumerate(chunk) for it in g.items]
                 for r0 in range(0, len(rows), self.batch_size):
                     part = rows[r0:r0 + self.batch_size]

@@ -6,8 +6,10 @@ step serves the oldest waiting unit -- a GRPO group (one ``prompt_id``, same ima
 prompt prefix) as a whole, or one item -- plus the units that pack best with it:
 
 * a group goes with the groups nearest in shared-prefix length, up to ``batch_size`` prefixes in
-  one prefill, their members in device batches right after (``Scorer.dispatch_shared``), so
-  groups split over requests still share their prefix;
+  one prefill, their members in up to ``parts`` device batches right after
+  (``Scorer.dispatch_shared``), so groups split over requests still share their prefix; the last
+  batch's spare rows take lone items (``Scorer.one_group``) and members split off other groups,
+  when they fit its prefix bucket, suffix width and image rung: an empty row costs a full one;
 * an item goes with the window of length-sorted items around it whose padded batch (length
   bucket x rows, plus the image ladder rung's patches) costs least per item
   (``Scorer.dispatch_whole``).
@@ -79,9 +81,9 @@ class ScoreStream:
     request's scorer results into its answer; ``on_batch(kind, rows)`` sees every device batch."""
 
     def __init__(self, scorer, modes: dict[str, str], rows: Rows, *, max_wait_s: float, depth: int = 2,
-                 on_batch: Callable[[str, int], None] | None = None):
+                 parts: int = 4, on_batch: Callable[[str, int], None] | None = None):
         self.scorer, self.modes, self.rows = scorer, dict(modes), rows
-        self.max_wait_s, self.depth = float(max_wait_s), int(depth)
+        self.max_wait_s, self.depth, self.parts = float(max_wait_s), int(depth), int(parts)
         self.batch_size = scorer.batch_size
         self.on_batch = on_batch
         self._pools: dict[str, list[_Entry]] = {kind: [] for kind in self.modes}
@@ -158,7 +160,7 @@ class ScoreStream:
         oldest = pool[0].item
         group = next((g for g in groups if any(it is oldest for it in g.items)), None)
         if group is not None:
-            chosen = self._pick_groups(groups, group)
+            chosen = self._pick_groups(groups, group, alone)
             taken = [by_item[id(it)] for g in chosen for it in g.items]
         else:
             picked = self._pick_items(alone, oldest)
@@ -181,22 +183,43 @@ class ScoreStream:
         gone = {id(e) for e in taken}
         self._pools[kind] = [e for e in self._pools[kind] if id(e) not in gone]
 
-    def _pick_groups(self, groups: list, first) -> list:
+    def _pick_groups(self, groups: list, first, alone: list) -> list:
         """``first`` and the groups nearest it in shared length, up to batch_size prefixes and
-        about 4 device batches of members (one step's length)."""
-        order = sorted(groups, key=lambda g: g.n_shared)
-        at = next(k for k, g in enumerate(order) if g is first)
-        lo, hi, chosen, members = at, at + 1, [first], len(first.items)
-        while len(chosen) < self.batch_size and members < 4 * self.batch_size and (lo > 0 or hi < len(order)):
-            left = order[lo - 1] if lo > 0 else None
-            right = order[hi] if hi < len(order) else None
-            if right is None or (left is not None and first.n_shared - left.n_shared <= right.n_shared - first.n_shared):
-                chosen.append(left)
-                lo -= 1
+        ``parts`` device batches of members (one step's length; a group whose members would
+        overflow them is skipped), then the last batch's spare rows: lone items as one-member
+        groups, then members split off the next nearest groups, when their prefix and suffix fit
+        the step's shapes. An empty member row costs as much as a filled one; a split-off member
+        costs a prefix row when its group is served."""
+        B, cap = self.batch_size, self.parts * self.batch_size
+        order = sorted((g for g in groups if g is not first),
+                       key=lambda g: (abs(g.n_shared - first.n_shared), g.n_shared))
+        chosen, rows, rest = [first], len(first.items), []
+        for g in order:
+            if len(chosen) < B and rows + len(g.items) <= cap:
+                chosen.append(g)
+                rows += len(g.items)
             else:
-                chosen.append(right)
-                hi += 1
-            members += len(chosen[-1].items)
+                rest.append(g)
+        spare = -rows % B
+        if not spare or len(chosen) >= B:
+            return chosen
+        prefix = loader_lib.pick_bucket(max(g.n_shared for g in chosen), self.scorer.buckets)
+        width = self.scorer.suffix_width(max(len(g.suffix(it)) for g in chosen for it in g.items))
+        images = _Images(self.scorer._ladder, chosen)
+        fillers = [self.scorer.one_group(it, prefix) for it in alone]
+        fillers += [dataclasses.replace(g, items=[it for it in g.items if len(g.suffix(it)) <= width])
+                    for g in rest if g.n_shared <= prefix]
+        for g in fillers:
+            if spare == 0 or len(chosen) >= B:
+                break
+            if g is None or not g.items or any(len(g.suffix(it)) > width for it in g.items[:spare]):
+                continue
+            if not images.fits(g.items[0]):
+                continue
+            part = dataclasses.replace(g, items=g.items[:spare])
+            images.add(part.items[0])
+            chosen.append(part)
+            spare -= len(part.items)
         return chosen
 
     def _pick_items(self, items: list, first) -> list:
@@ -207,7 +230,7 @@ class ScoreStream:
         if len(order) <= B:
             return order
         at = next(k for k, it in enumerate(order) if it is first)
-        patches = np.cumsum([0] + [len(it.rendered.pixel_values) if it.rendered.has_image else 0 for it in order])
+        patches = np.cumsum([0] + [_patches(it) for it in order])
         images = np.cumsum([0] + [len(it.rendered.image_grid_thw) for it in order])
         ladder = self.scorer._ladder
         best, best_cost = None, None
@@ -243,6 +266,32 @@ class ScoreStream:
                 self._requests.pop(id(e.req.token), None)
                 done.append(self._finish(e.req))
         return done
+
+
+class _Images:
+    """The image shape of a prefix batch (its ladder rung; without a ladder, its exact counts) as
+    prefixes join it: a filler that would raise it is refused (a larger vision batch, maybe a
+    compile)."""
+
+    def __init__(self, ladder, groups: list):
+        self.ladder = ladder
+        self.patches = sum(_patches(g.items[0]) for g in groups)
+        self.images = sum(len(g.items[0].rendered.image_grid_thw) for g in groups)
+
+    def _shape(self, patches: int, images: int):
+        return self.ladder.pad(patches, images) if self.ladder is not None and images else (patches, images)
+
+    def fits(self, it) -> bool:
+        grown = self._shape(self.patches + _patches(it), self.images + len(it.rendered.image_grid_thw))
+        return grown == self._shape(self.patches, self.images)
+
+    def add(self, it) -> None:
+        self.patches += _patches(it)
+        self.images += len(it.rendered.image_grid_thw)
+
+
+def _patches(it) -> int:
+    return len(it.rendered.pixel_values) if it.rendered.has_image else 0
 
 
 def _tokens(entries: list[_Entry]) -> list:
