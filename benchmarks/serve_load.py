@@ -1,6 +1,6 @@
 """Reward server under load: 64 concurrent loopback clients vs in-process batched scoring.
 
-    python -m benchmarks.serve_load [--clients=64 --seconds=30 --max_batch=32 --n=192 --compile_cache=DIR]
+    python -m benchmarks.serve_load [--clients=64 --seconds=30 --max_batch=32 --n=576 --compile_cache=DIR]
 
 The tiny judge (configs/tiny.py, random weights, the synthetic tokenizer) is served by the real
 app (``rm_jax.serve.app``) under uvicorn on 127.0.0.1 in this process; ``--clients`` asyncio
@@ -41,7 +41,7 @@ flags.DEFINE_float("warmup_max_seconds", 900.0, "stop warming up after this long
 flags.DEFINE_string("compile_cache", "", "JAX persistent compilation cache dir (reruns skip the warm-up compiles)")
 flags.DEFINE_integer("max_batch", 32, "server batch = in-process batch")
 flags.DEFINE_float("max_wait_ms", 10.0, "server batching window")
-flags.DEFINE_integer("n", 192, "sample pool (more than one server call holds, so a call rarely repeats a sample)")
+flags.DEFINE_integer("n", 576, "sample pool: larger than what 64 clients keep outstanding (~290), so no sample is queued twice (a repeat would share its group's prefill and flatter the server)")
 flags.DEFINE_integer("max_new_tokens", 32, "decoding budget after the verdict")
 flags.DEFINE_integer("seed", 0, "request mix")
 flags.DEFINE_float("stream_seconds", 60.0, "the in-process continuous-batching figure (no HTTP): half untimed")
