@@ -2,11 +2,13 @@
 
     python -m benchmarks.recall_probe --pairs=8 --steps=5000 [--recall_steps=3000]
 
-Sequence: BOS k1 v1 ... kP vP SEP q v VERDICT; the label is pass iff v is q's value (half the
+Sequence: BOS k1 v1 ... kP vP [--filler random tokens] SEP q v VERDICT; the label is pass iff v is q's value (half the
 time). The model is configs/tiny.py's Qwen3-VL-MoE (vocab 128), trained with Adam on CE of
 {pass, fail} at the last position, fresh samples every step; ``--recall_steps`` first trains the
 policy's objective (write q's value after "SEP q") on passing sequences. Prints held-out AUC
-(512 sequences) against steps and wall seconds. A measurement, not a test.
+(512 sequences) against steps and wall seconds. ``--text key=value`` overrides the judge's
+text_config (width, depth, ``mlp_only_layers`` for dense MLPs), ``--qk_gain`` scales the initial
+q/k-norm gains. A measurement, not a test.
 """
 import time
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -38,6 +40,10 @@ def _override(text_config: dict, items: list[str]) -> None:
         old = text_config[key]
         if isinstance(old, (tuple, list)):
             text_config[key] = tuple(int(x) for x in value.split(",") if x)
+        elif isinstance(old, bool):      # bool("False") is True
+            if value not in ("True", "False"):
+                raise ValueError(f"{key} takes True or False, not {value!r}")
+            text_config[key] = value == "True"
         else:
             text_config[key] = type(old)(value)
 
