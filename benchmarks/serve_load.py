@@ -4,7 +4,8 @@
 
 The tiny judge (configs/tiny.py, random weights, the synthetic tokenizer) is served by the real
 app (``rm_jax.serve.app``) under uvicorn on 127.0.0.1 in this process; ``--clients`` asyncio
-clients each post ``/v1/score`` requests of 1-8 consecutive samples, taken in turn from one cursor
+clients, in one child process (rollout workers are other processes; in the server's own process
+their JSON and HTTP work would hold its GIL: ``--noclient_process``), each post ``/v1/score`` requests of 1-8 consecutive samples, taken in turn from one cursor
 cycling over a pool of ``--n`` synthetic samples (GRPO-style groups of 3, with images), back to
 back, for a bounded time.
 The baseline is the same ``Scorer`` scoring the whole pool in-process in batches of
@@ -15,8 +16,9 @@ the ``stream`` line drives the server's scheduler (``rm_jax.serve.stream``) in-p
 same request mix and no HTTP, back to back with the pool figure: what scheduling alone keeps.
 
 Warm-up: every batch the server forms mixes other buckets, image counts and GRPO group sizes,
-and each new static shape compiles once; under load windows are repeated until one window
-compiles nothing, so the timed phase measures the steady state (the compile count is printed).
+and each new static shape compiles once; under load windows are repeated until
+``--warmup_quiet_windows`` in a row compile nothing, so the timed phase measures the steady state
+(the compile count is printed).
 
 Goals: 0 errors, ratio >= 0.8, p99 < 5x p50. A measurement, not a test. Last line: one JSON object.
 """
@@ -37,6 +39,8 @@ from absl import app, flags
 flags.DEFINE_integer("clients", 64, "concurrent clients")
 flags.DEFINE_float("seconds", 30.0, "timed load phase")
 flags.DEFINE_float("warmup_seconds", 20.0, "untimed load windows first, repeated until one compiles nothing")
+flags.DEFINE_integer("warmup_quiet_windows", 2, "consecutive warm-up windows that compile nothing before the timed phase "
+                     "(the rarest shapes, e.g. a batch with many images, show up once in a few windows)")
 flags.DEFINE_float("warmup_max_seconds", 900.0, "stop warming up after this long (the figures then include compiles)")
 flags.DEFINE_string("compile_cache", "", "JAX persistent compilation cache dir (reruns skip the warm-up compiles)")
 flags.DEFINE_integer("max_batch", 32, "server batch = in-process batch")
@@ -46,6 +50,8 @@ flags.DEFINE_integer("max_new_tokens", 32, "decoding budget after the verdict")
 flags.DEFINE_integer("seed", 0, "request mix")
 flags.DEFINE_float("stream_seconds", 60.0, "the in-process continuous-batching figure (no HTTP): half untimed")
 flags.DEFINE_bool("text_only", False, "pool without images: far fewer static shapes, so the warm-up ends sooner")
+flags.DEFINE_bool("client_process", True, "run the clients in a child process, as rollout workers are (False: in the "
+                  "server's own process, where 64 clients' JSON and HTTP work contends for the server's GIL)")
 
 
 def _free_port() -> int:
@@ -97,6 +103,20 @@ async def _load(url: str, pool: list[dict], clients: int, seconds: float, seed: 
         await asyncio.gather(*(client(c, random.Random(rng.random())) for _ in range(clients)))
         wall = time.perf_counter() - t0
     return dict(samples=samples, requests=requests, errors=errors, wall=wall, latencies=latencies)
+
+
+_POOL: list[dict] = []
+
+
+def _set_pool(pool: list[dict]) -> None:
+    _POOL[:] = pool
+
+
+def _load_in_child(url: str, clients: int, seconds: float, seed: int) -> dict:
+    """`_load` in the client process, over the pool its initializer received once."""
+    import logging as py_logging
+    py_logging.getLogger("httpx").setLevel(py_logging.WARNING)
+    return asyncio.run(_load(url, _POOL, clients, seconds, seed))
 
 
 def _stream_in_process(engine, parsed: list, clients: int, seconds: float, seed: int, max_wait_s: float,
@@ -212,23 +232,36 @@ def main(argv):
     while not server.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}"
-    t_warm, warm_rounds, warm_errors = time.perf_counter(), 0, 0
+    if f.client_process:
+        import concurrent.futures
+        import multiprocessing
+        # One child for every window: spawned (no fork of a process that runs XLA threads), the
+        # pool pickled to it once.
+        clients_proc = concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn"), initializer=_set_pool, initargs=(pool,))
+        run_load = lambda seconds, seed: clients_proc.submit(_load_in_child, url, f.clients, seconds, seed).result()
+    else:
+        run_load = lambda seconds, seed: asyncio.run(_load(url, pool, f.clients, seconds, seed))
+    t_warm, warm_rounds, warm_errors, quiet = time.perf_counter(), 0, 0, 0
     while True:
         before_compiles = compiles[0]
-        warm = asyncio.run(_load(url, pool, f.clients, f.warmup_seconds, f.seed + 1 + warm_rounds))
+        warm = run_load(f.warmup_seconds, f.seed + 1 + warm_rounds)
         warm_rounds, warm_errors = warm_rounds + 1, warm_errors + warm["errors"]
         new = compiles[0] - before_compiles
+        quiet = quiet + 1 if new == 0 else 0
         print(f"warm-up     window {warm_rounds}: {warm['requests']} requests, {new} compiles")
-        if new == 0 or time.perf_counter() - t_warm > f.warmup_max_seconds:
+        if quiet >= f.warmup_quiet_windows or time.perf_counter() - t_warm > f.warmup_max_seconds:
             break
     compiles_before_timed = compiles[0]
     reg = fastapi_app.state.metrics.registry
     count0 = reg.get_sample_value("rm_jax_batch_size_count", {"kind": "score_full"}) or 0.0
     sum0 = reg.get_sample_value("rm_jax_batch_size_sum", {"kind": "score_full"}) or 0.0
-    got = asyncio.run(_load(url, pool, f.clients, f.seconds, f.seed))
+    got = run_load(f.seconds, f.seed)
     timed_compiles = compiles[0] - compiles_before_timed
     count1 = reg.get_sample_value("rm_jax_batch_size_count", {"kind": "score_full"}) or 0.0
     sum1 = reg.get_sample_value("rm_jax_batch_size_sum", {"kind": "score_full"}) or 0.0
+    if f.client_process:
+        clients_proc.shutdown()
     server.should_exit = True
     thread.join(60)
     after = in_process()
@@ -261,7 +294,8 @@ def main(argv):
                       "mean_samples_per_device_batch": round(mean_batch, 2), "max_batch": f.max_batch,
                       "stream_samples_per_s": round(stream_rate, 2),
                       "stream_ratio": round(stream_rate / ((after + last) / 2), 3), "stream_compiles": stream_compiles,
-                      "timed_compiles": timed_compiles, "warmup_windows": warm_rounds, "pool": len(pool)}))
+                      "timed_compiles": timed_compiles, "warmup_windows": warm_rounds, "pool": len(pool),
+                      "client_process": f.client_process}))
 
 
 if __name__ == "__main__":

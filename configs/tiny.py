@@ -77,6 +77,9 @@ def data_config() -> ml_collections.ConfigDict:
         # The compact contracts: a random-init judge cannot read the full ones (judge_contracts).
         tool_contract=judge_contracts.TOOL_CALL_CONTRACT_COMPACT,
         text_contract=judge_contracts.TEXT_ONLY_CONTRACT_COMPACT,
+        # One signature line per tool instead of the template's schema JSON: the tiny judge's
+        # text budget goes to the conversation (template = the policy's own format, the default).
+        tools_listing="signatures",
     ))
 
 

@@ -95,11 +95,15 @@ def test_bad_input_every_row_accounted(tiny_cfg, synth_dir, renderer, tmp_path):
 
 
 def test_too_long_rejected_not_truncated(tiny_cfg, synth_dir, renderer, tmp_path):
-    opts = dataclasses.replace(build.BuildOptions.from_config(tiny_cfg.data), max_len=480)
-    s = build.build(os.path.join(synth_dir, "samples.jsonl"), str(tmp_path), renderer, opts, progress=False).stats
+    full = build.build(os.path.join(synth_dir, "samples.jsonl"), str(tmp_path / "all"), renderer,
+                       build.BuildOptions.from_config(tiny_cfg.data), progress=False).stats
+    limit = full["lengths"]["total_tokens_max"] - 1      # the longest sample no longer fits
+    opts = dataclasses.replace(build.BuildOptions.from_config(tiny_cfg.data), max_len=limit)
+    s = build.build(os.path.join(synth_dir, "samples.jsonl"), str(tmp_path / "cut"), renderer, opts, progress=False).stats
     assert s["rejected_by_reason"].get("too_long", 0) > 0
     assert 0 < s["over_max_len_share"] <= 1
-    assert s["lengths"]["total_tokens_max"] <= 480
+    assert s["lengths"]["total_tokens_max"] <= limit
+    assert s["kept"] + s["rejected_by_reason"]["too_long"] == full["kept"]
 
 
 def test_no_valid_rows_fails_clearly(renderer, tiny_cfg, tmp_path):

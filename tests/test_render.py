@@ -202,3 +202,30 @@ def test_remote_image_refs_stay_text_missing_local_paths_still_reject(sample_dir
     with pytest.raises(SampleError) as e:
         schema.parse_sample(obj, line=1, base_dir=str(sample_dir))
     assert e.value.reason == "missing_image"
+
+
+def test_tools_listing_signatures_and_template(sample_dir, renderer):
+    """``signatures`` (the tiny config) lists one line per tool in the judge's system turn, and the
+    policy's system turn; ``template`` leaves the listing to the chat template's tools block."""
+    import dataclasses
+
+    from rm_jax.data.policy import PolicyRenderer
+    from rm_jax.data.render import RenderConfig, Renderer, tool_signature
+    s = _sample(sample_dir, arguments={"aspect_ratio": "16:9"})
+    assert renderer.cfg.tools_listing == "signatures"
+    assert tool_signature(s.tools[0]) == "change_aspect_ratio(aspect_ratio)"
+    assert tool_signature({"function": {"name": "g", "parameters": {"properties": {
+        "p": {"type": "string"}, "n": {"type": "integer", "minimum": 1, "maximum": 4}}, "required": ["p"]}}}) \
+        == "g(p, n?: 1-4)"
+    compact, _ = renderer.prompt_text(s)
+    system = compact.split("<|im_end|>")[0]
+    assert system.endswith("\n\n# Tools\nchange_aspect_ratio(aspect_ratio)") and '"parameters"' not in compact
+    template = Renderer(renderer.tokenizer, renderer.image_pre, dataclasses.replace(renderer.cfg, tools_listing="template"))
+    full, _ = template.prompt_text(s)
+    assert '"parameters"' in full.split("## Conversation")[0] and "change_aspect_ratio(" not in full
+    assert len(renderer.tokenizer(compact)["input_ids"]) < len(renderer.tokenizer(full)["input_ids"])
+    policy = PolicyRenderer(renderer.tokenizer, renderer.image_pre, renderer.cfg)
+    prompt, _target, _ = policy.texts(s)
+    assert prompt.startswith("<|im_start|>system\nYou are an image agent.\n\n# Tools\nchange_aspect_ratio(aspect_ratio)<|im_end|>")
+    with pytest.raises(ValueError, match="tools_listing"):
+        RenderConfig(tool_contract="t", text_contract="x", tools_listing="yaml")

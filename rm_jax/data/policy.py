@@ -24,7 +24,8 @@ import numpy as np
 
 from rm_jax.data import images as images_lib
 from rm_jax.data import target as target_lib
-from rm_jax.data.render import JudgeInput, Renderer, _message_parts, _Parts, _tool_result, route_of
+from rm_jax.data.render import (TOOLS_SIGNATURES, JudgeInput, Renderer, _message_parts, _Parts, _tool_result,
+                                route_of, signatures_text)
 from rm_jax.data.schema import ImageRef, Sample, SampleError
 
 NOT_PASSING = "not_a_passing_response"
@@ -51,6 +52,12 @@ class PolicyRenderer(Renderer):
                 entry["tool_calls"] = [_call_dict(c) for c in msg.tool_calls]
             chat.append(entry)
             images += out.images
+        listing = signatures_text(sample.tools, self.guard) if self.cfg.tools_listing == TOOLS_SIGNATURES else ""
+        if listing:   # where the template would put its tools block: the system turn
+            if chat and chat[0]["role"] == "system":
+                chat[0] = {**chat[0], "content": chat[0]["content"] + [{"type": "text", "text": "\n\n" + listing}]}
+            else:
+                chat.insert(0, {"role": "system", "content": [{"type": "text", "text": listing}]})
         return chat, images
 
     def response_message(self, sample: Sample) -> dict:
@@ -64,7 +71,7 @@ class PolicyRenderer(Renderer):
         """(prompt text, target text, images). The target is what the template appends for the
         response turn, up to and including <|im_end|>."""
         chat, refs = self.policy_chat(sample)
-        tools = [self.guard.json(t) for t in sample.tools] or None
+        tools = self.template_tools(sample)
         prompt = self.tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
         full = self.tokenizer.apply_chat_template(chat + [self.response_message(sample)], tools=tools,
                                                   add_generation_prompt=False, tokenize=False)

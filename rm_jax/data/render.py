@@ -41,17 +41,28 @@ ROUTE_TOOL_CALL = "tool_call"
 ROUTE_TEXT_ONLY = "text_only"
 
 
+TOOLS_TEMPLATE = "template"       # the chat template's own tools block (the policy's format)
+TOOLS_SIGNATURES = "signatures"   # one line per tool, e.g. ``upscale_image(image, resolution)``
+TOOLS_LISTINGS = (TOOLS_TEMPLATE, TOOLS_SIGNATURES)
+
+
 @dataclasses.dataclass(frozen=True)
 class RenderConfig:
     tool_contract: str
     text_contract: str
     field_order: tuple[str, ...] = target_lib.VERDICT_FIRST
     image_pad_token: str = "<|image_pad|>"
+    tools_listing: str = TOOLS_TEMPLATE
+
+    def __post_init__(self):
+        if self.tools_listing not in TOOLS_LISTINGS:
+            raise ValueError(f"data.tools_listing={self.tools_listing!r}: expected one of {TOOLS_LISTINGS}")
 
     @classmethod
     def from_config(cls, data_cfg) -> "RenderConfig":
         return cls(tool_contract=data_cfg.tool_contract, text_contract=data_cfg.text_contract,
-                   field_order=tuple(data_cfg.field_order))
+                   field_order=tuple(data_cfg.field_order),
+                   tools_listing=data_cfg.get("tools_listing", TOOLS_TEMPLATE))
 
 
 @dataclasses.dataclass
@@ -73,6 +84,37 @@ class JudgeInput:
     @property
     def length(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+# ---------------------------------------------------------------- tools
+
+
+def tool_signature(schema: dict) -> str:
+    """``name(required, optional?)``, with a bounded integer's range (``count?: 1-4``): a compact
+    stand-in for the schema JSON (a fraction of its tokens) for a judge with a short text budget."""
+    fn = schema.get("function", schema)
+    params = fn.get("parameters") or {}
+    required = set(params.get("required") or ())
+    args = []
+    for key, prop in (params.get("properties") or {}).items():
+        arg = key + ("" if key in required else "?")
+        if isinstance(prop, dict) and "minimum" in prop and "maximum" in prop:
+            arg += f": {prop['minimum']}-{prop['maximum']}"
+        args.append(arg)
+    return f"{fn.get('name', '?')}({', '.join(args)})"
+
+
+def signatures_text(tools: Sequence[dict], guard) -> str:
+    """The ``signatures`` listing: a header, then one signature per line ("" without tools)."""
+    if not tools:
+        return ""
+    return "# Tools\n" + "\n".join(guard(tool_signature(t)) for t in tools)
+
+
+def system_with_tools(system: str, sample: Sample, cfg: RenderConfig, guard) -> str:
+    """A judge's system text, with the ``signatures`` listing after it when that is the mode."""
+    listing = signatures_text(sample.tools, guard) if cfg.tools_listing == TOOLS_SIGNATURES else ""
+    return system + "\n\n" + listing if listing else system
 
 
 # ---------------------------------------------------------------- transcript
@@ -217,7 +259,7 @@ def judge_chat(sample: Sample, cfg: RenderConfig, guard=_no_guard) -> tuple[list
     the images in order). The judge (via its chat template) and the teacher labeller
     (rm_jax.label, via an OpenAI-compatible server) both read this."""
     transcript = build_transcript(sample, guard)
-    chat = [{"role": "system", "content": contract_for(sample, cfg)},
+    chat = [{"role": "system", "content": system_with_tools(contract_for(sample, cfg), sample, cfg, guard)},
             {"role": "user", "content": transcript.parts}]
     return chat, transcript.images
 
@@ -252,10 +294,16 @@ class Renderer:
     def judge_chat(self, sample: Sample) -> tuple[list[dict], list[ImageRef]]:
         return judge_chat(sample, self.cfg, self.guard)
 
+    def template_tools(self, sample: Sample) -> list[dict] | None:
+        """The ``tools`` argument of apply_chat_template: the guarded schemas (they come from data
+        files too), or None when the listing is ``signatures`` (then it is in the system text)."""
+        if self.cfg.tools_listing != TOOLS_TEMPLATE or not sample.tools:
+            return None
+        return [self.guard.json(t) for t in sample.tools]
+
     def prompt_text(self, sample: Sample) -> tuple[str, list[ImageRef]]:
         chat, refs = self.judge_chat(sample)
-        tools = [self.guard.json(t) for t in sample.tools]   # schemas come from data files too
-        text = self.tokenizer.apply_chat_template(chat, tools=tools or None,
+        text = self.tokenizer.apply_chat_template(chat, tools=self.template_tools(sample),
                                                   add_generation_prompt=True, tokenize=False)
         return text, refs
 

@@ -61,6 +61,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from configs import judge_contracts
+from rm_jax.data.render import tool_signature
 
 # ---------------------------------------------------------------- value pools
 
@@ -882,6 +883,7 @@ def corpus_texts(samples: list[dict]) -> list[str]:
     texts: list[str] = [judge_contracts.TOOL_CALL_CONTRACT, judge_contracts.TEXT_ONLY_CONTRACT,
                         judge_contracts.TOOL_CALL_CONTRACT_COMPACT, judge_contracts.TEXT_ONLY_CONTRACT_COMPACT]
     texts += [json.dumps(t, ensure_ascii=False) for t in TOOLS.values()]
+    texts += [tool_signature(t) for t in TOOLS.values()]   # the compact listing (data.tools_listing)
     for s in samples:
         texts += [json.dumps(t, ensure_ascii=False) for t in s["tools"]]
         for m in s["messages"]:

@@ -23,7 +23,7 @@ import numpy as np
 
 from rm_jax.data import images as images_lib
 from rm_jax.data import target as target_lib
-from rm_jax.data.render import Renderer, _Parts, build_transcript, response_parts
+from rm_jax.data.render import Renderer, _Parts, build_transcript, response_parts, system_with_tools
 from rm_jax.data.schema import Sample, SampleError
 
 RM_SYSTEM = "Rate how well the assistant's final turn serves the conversation."
@@ -55,7 +55,8 @@ class RMRenderer:
 
     def chat(self, sample: Sample):
         transcript = build_transcript(sample, self.r.guard, with_response=False)
-        return [{"role": "system", "content": self.system},
+        system = system_with_tools(self.system, sample, self.r.cfg, self.r.guard)
+        return [{"role": "system", "content": system},
                 {"role": "user", "content": transcript.parts}], transcript.images
 
     def template_probe(self) -> str:
@@ -66,7 +67,7 @@ class RMRenderer:
 
     def render(self, sample: Sample) -> RenderedCandidate:
         chat, refs = self.chat(sample)
-        tools = [self.r.guard.json(t) for t in sample.tools] or None
+        tools = self.r.template_tools(sample)
         resp = _Parts(self.r.guard)
         response_parts(resp, sample)
         reply = "".join(p["text"] for p in resp.parts)
