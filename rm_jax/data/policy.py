@@ -5,8 +5,8 @@ write the right call has already learned to read the request and copy its values
 ``resolution``), which is the lookup a judge needs before it can compare. This renderer turns a
 judge sample into that policy example:
 
-    prompt = the chat template over the sample's messages and tool schemas, with the generation
-             prompt (the policy's own input format; images in place, tool results as the judge
+    prompt = the chat template over the sample's messages and tool schemas (or their signature
+             lines, as the judge lists them), with the generation prompt (the policy's own input format; images in place, tool results as the judge
              transcript shows them)
     target = the response in the policy's output format: its text, then each call as a
              Qwen/Hermes ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` block,

@@ -9,7 +9,9 @@ byte for byte what it sees when scoring. The judge chat is
     assistant = the verdict JSON (the only tokens with loss)
 
 rendered with the base model's own chat template (`apply_chat_template`, with the sample's tool
-schemas, so the judge reads them in the format the policy read them).
+schemas, so the judge reads them in the format the policy read them). ``data.tools_listing =
+"signatures"`` lists one ``name(args)`` line per tool in the system turn instead (the tiny judge's
+short text budget).
 
 Transcript rules, each from a failure in the field report:
 * History assistant turns are kept exactly as they are. Online they carry no ``tool_calls``;
