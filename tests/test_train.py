@@ -557,6 +557,9 @@ def test_grad_accumulation_equals_one_large_batch(tiny_cfg, built_shards):
     np.testing.assert_allclose(ma["grad_norm"], ml["grad_norm"], rtol=1e-5)     # fp32 summation order only
     assert any(float(np.abs(u).max()) > 0.5 * lr for u in ul)
     for a, b in zip(ua, ul):
-        # Adam's first step is lr * g / (|g| + eps): where a gradient entry is near zero its
-        # summation-order noise shows; held to 1% of lr (measured: 1 entry in 4096 at 0.4%).
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 * lr)
+        # Adam's first step is lr * g / (|g| + eps): an entry whose gradient is well above eps
+        # moves by ~lr and must agree to 1% of lr; where |g| is near eps (e.g. the router column
+        # of an expert no token chose) the step amplifies fp32 summation-order noise and is not
+        # compared.
+        clear = np.maximum(np.abs(a), np.abs(b)) > 0.5 * lr
+        np.testing.assert_allclose(a[clear], b[clear], rtol=0, atol=1e-2 * lr)
