@@ -19,12 +19,15 @@ import os
 import numpy as np
 from absl import app, flags
 
+from launch.common import define_config_flag
+
 flags.DEFINE_string("hf", None, "policy HF checkpoint (launch.policy_sft's DIR/hf)", required=True)
 flags.DEFINE_string("input", None, "samples JSONL", required=True)
 flags.DEFINE_string("tokenizer", "", "tokenizer dir (default: <input folder>/tokenizer)")
-flags.DEFINE_string("config", "configs/tiny.py", "config file (its data section renders the examples)")
-flags.DEFINE_integer("n", 200, "passing samples measured (the file's last ones: held out from nothing, "
-                     "so pass the held-out split's file for a held-out figure)")
+flags.DEFINE_integer("n", 200, "passing samples measured: the file's last ones (the policy stage trains on "
+                     "every passing sample of its input, so this is an in-sample figure)")
+
+_CONFIG = define_config_flag()   # its data section renders the examples
 
 
 def value_token_ids(tokenizer) -> set[int]:
@@ -42,17 +45,12 @@ def value_token_ids(tokenizer) -> set[int]:
 def main(argv):
     del argv
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import importlib.util
-
     from rm_jax.data.policy import PolicyRenderer
     from rm_jax.data.render import resolve_tokenizer_dir
     from rm_jax.data.schema import Sample, SampleError, read_samples
     from rm_jax.model import load_hf
     f = flags.FLAGS
-    spec = importlib.util.spec_from_file_location("cfg", f.config)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    cfg = mod.get_config()
+    cfg = _CONFIG.value
     renderer = PolicyRenderer.from_config(cfg.data, resolve_tokenizer_dir(f.tokenizer, f.input))
     model = load_hf(f.hf)[0]
     values = value_token_ids(renderer.tokenizer)

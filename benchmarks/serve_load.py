@@ -5,9 +5,9 @@
 The tiny judge (configs/tiny.py, random weights, the synthetic tokenizer) is served by the real
 app (``rm_jax.serve.app``) under uvicorn on 127.0.0.1 in this process; ``--clients`` asyncio
 clients, in one child process (rollout workers are other processes; in the server's own process
-their JSON and HTTP work would hold its GIL: ``--noclient_process``), each post ``/v1/score`` requests of 1-8 consecutive samples, taken in turn from one cursor
-cycling over a pool of ``--n`` synthetic samples (GRPO-style groups of 3, with images), back to
-back, for a bounded time.
+their JSON and HTTP work would hold its GIL: ``--noclient_process``), each post ``/v1/score``
+requests of 1-8 consecutive samples, taken in turn from one cursor cycling over a pool of ``--n``
+synthetic samples (GRPO-style groups of 3, with images), back to back, for a bounded time.
 The baseline is the same ``Scorer`` scoring the whole pool in-process in batches of
 ``--max_batch`` (what ``launch.score`` does): the ratio shows how much of the device's batched
 throughput survives HTTP, JSON and dynamic batching. Both are warmed up first (compiles). Full

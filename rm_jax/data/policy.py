@@ -6,8 +6,8 @@ write the right call has already learned to read the request and copy its values
 judge sample into that policy example:
 
     prompt = the chat template over the sample's messages and tool schemas (or their signature
-             lines, as the judge lists them), with the generation prompt (the policy's own input format; images in place, tool results as the judge
-             transcript shows them)
+             lines, as the judge lists them), with the generation prompt (the policy's own input
+             format; images in place, tool results as the judge transcript shows them)
     target = the response in the policy's output format: its text, then each call as a
              Qwen/Hermes ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` block,
              then ``<|im_end|>`` (the only tokens with loss)
@@ -24,8 +24,8 @@ import numpy as np
 
 from rm_jax.data import images as images_lib
 from rm_jax.data import target as target_lib
-from rm_jax.data.render import (TOOLS_SIGNATURES, JudgeInput, Renderer, _message_parts, _Parts, _tool_result,
-                                route_of, signatures_text)
+from rm_jax.data.render import (JudgeInput, Renderer, _message_parts, _Parts, _tool_result, route_of,
+                                system_listing)
 from rm_jax.data.schema import ImageRef, Sample, SampleError
 
 NOT_PASSING = "not_a_passing_response"
@@ -52,7 +52,7 @@ class PolicyRenderer(Renderer):
                 entry["tool_calls"] = [_call_dict(c) for c in msg.tool_calls]
             chat.append(entry)
             images += out.images
-        listing = signatures_text(sample.tools, self.guard) if self.cfg.tools_listing == TOOLS_SIGNATURES else ""
+        listing = system_listing(sample, self.cfg, self.guard)
         if listing:   # where the template would put its tools block: the system turn
             if chat and chat[0]["role"] == "system":
                 chat[0] = {**chat[0], "content": chat[0]["content"] + [{"type": "text", "text": "\n\n" + listing}]}

@@ -113,9 +113,15 @@ def signatures_text(tools: Sequence[dict], guard) -> str:
     return "# Tools\n" + "\n".join(guard(tool_signature(t)) for t in tools)
 
 
+def system_listing(sample: Sample, cfg: RenderConfig, guard) -> str:
+    """The tools text a system turn carries: the signatures in that mode, else "" (the template
+    lists the schemas itself)."""
+    return signatures_text(sample.tools, guard) if cfg.tools_listing == TOOLS_SIGNATURES else ""
+
+
 def system_with_tools(system: str, sample: Sample, cfg: RenderConfig, guard) -> str:
-    """A judge's system text, with the ``signatures`` listing after it when that is the mode."""
-    listing = signatures_text(sample.tools, guard) if cfg.tools_listing == TOOLS_SIGNATURES else ""
+    """A judge's system text, with ``system_listing`` after it."""
+    listing = system_listing(sample, cfg, guard)
     return system + "\n\n" + listing if listing else system
 
 
