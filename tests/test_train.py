@@ -181,19 +181,22 @@ def test_kill9_resume_and_damaged_fallback(built_shards, tmp_path):
     assert _strip(read_metrics(str(crash))) == reference
 
 
-def test_oversampling_visible_in_training_stream(tiny_cfg, built_shards):
+@pytest.mark.parametrize("factor", [3, 1])
+def test_oversampling_visible_in_training_stream(tiny_cfg, built_shards, factor):
+    # built with the config's x3: data.oversample_fail=1 at train time must still give the label share
     cfg = _cfg(tiny_cfg, built_shards[0])
+    cfg.data.oversample_fail = factor
     plan = loop.RunPlan(total_steps=1, micro_batch=8, accumulation=1, steps_per_epoch=1.0)
     stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, plan, split="train"), 1)
     labels = loop.loader_lib.records.load_index(cfg.data.dir, "train")["label"]
-    epoch = len(labels) + 2 * int(labels.sum())
+    epoch = len(labels) + (factor - 1) * int(labels.sum())
     seen = fails = 0
     while seen < epoch - epoch % 8:
         b = stream.next()[0]
         seen += int(b["example_valid"].sum())
         fails += int(b["label"][b["example_valid"] == 1].sum())
-    # whole batches of the first epoch: the stream's fail share is 3x the data's, within one batch
-    expected = 3 * labels.sum() / epoch
+    # whole batches of the first epoch: the stream's fail share is factor x the data's, within one batch
+    expected = factor * labels.sum() / epoch
     assert abs(fails / seen - expected) <= 8 / seen
 
 
