@@ -65,6 +65,7 @@ def data_config() -> ml_collections.ConfigDict:
         buckets=(384, 512, 640),     # padded lengths: static shapes, few compiles
         field_order=("l3", "reason", "issues", "img"),  # verdict first; reason-first is ablation only
         oversample_fail=3,           # failures repeated x3 in the training split only
+        group_by_prompt=False,       # shuffle prompts, keeping a prompt's responses in one batch
         heldout_fraction=0.15,       # by prompt_id
         split_seed=0,
         shard_max_examples=2048,     # ArrayRecord shards stay small

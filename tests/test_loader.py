@@ -99,3 +99,57 @@ def test_image_ladder_fits_every_batch_on_few_rungs():
     assert ladder.pad(0, 0) == (128, 1)
     with pytest.raises(ValueError):
         ImageLadder(0)
+
+
+def _record_prompts(out, split):
+    """prompt_id of every record of `split`, in index order (decoded from the shards)."""
+    import grain
+    source = grain.sources.ArrayRecordDataSource(records.shard_paths(out, split))
+    return [records.decode(source[i])["prompt_id"] for i in range(len(source))]
+
+
+def test_index_numbers_prompts(built_shards):
+    out, _ = built_shards
+    for split in records.SPLITS:
+        numbers = records.load_index(out, split)["prompt"]
+        ids = _record_prompts(out, split)
+        pairs = set(zip(ids, numbers.tolist()))
+        assert len(pairs) == len(set(ids)) == len(set(numbers.tolist()))   # one number per prompt_id
+
+
+def test_grouped_stream_keeps_a_prompts_responses_together(built_shards):
+    out, _ = built_shards
+    index = records.load_index(out, "train")
+    stream = loader.stream_indices(index["label"], 3)
+    prompts = index["prompt"]
+    for epoch in range(2):
+        order = loader.grouped_epoch(prompts, stream, 3, epoch)
+        assert sorted(order.tolist()) == sorted(stream.tolist())       # same records, same repeats
+        runs = prompts[order][np.r_[True, np.diff(prompts[order]) != 0]]
+        assert len(runs) == len(set(prompts.tolist()))                  # each prompt one contiguous run
+    assert not np.array_equal(loader.grouped_epoch(prompts, stream, 3, 0), loader.grouped_epoch(prompts, stream, 3, 1))
+    # Through the loader: two epochs in exactly that order, and an exact resume.
+    cfg = _cfg(batch_size=1, num_epochs=2, drop_remainder=False, group_by_prompt=True)
+    got = [b["input_ids"][0][b["attention_mask"][0] > 0] for b in loader.make_iterator(loader.make_dataset(out, "train", cfg))]
+    want = np.concatenate([loader.grouped_epoch(prompts, stream, 3, e) for e in range(2)])
+    plain = loader.make_iterator(loader.make_dataset(out, "train", _cfg(batch_size=1, num_epochs=1, shuffle=False,
+                                                                        drop_remainder=False, oversample_fail=1)))
+    by_record = [b["input_ids"][0][b["attention_mask"][0] > 0] for b in plain]
+    assert len(got) == len(want) and all(np.array_equal(g, by_record[w]) for g, w in zip(got, want))
+    it = loader.make_iterator(loader.make_dataset(out, "train", _cfg(group_by_prompt=True)))
+    _take(it, 3)
+    resumed = loader.make_iterator(loader.make_dataset(out, "train", _cfg(group_by_prompt=True)), it.get_state())
+    assert all(np.array_equal(x["input_ids"], y["input_ids"]) for x, y in zip(_take(it, 4), _take(resumed, 4)))
+
+
+def test_grouped_stream_needs_numbered_prompts(built_shards, tmp_path):
+    import shutil
+    out, _ = built_shards
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    z = dict(np.load(records.index_path(str(old), "train")))
+    del z["prompt"]
+    np.savez(records.index_path(str(old), "train"), **z)
+    with pytest.raises(ValueError, match="rebuild"):
+        loader.make_dataset(str(old), "train", _cfg(group_by_prompt=True))
+    loader.make_dataset(str(old), "train", _cfg())   # ungrouped streams still read old shards

@@ -5,6 +5,8 @@
   beside a checkpoint restores the stream exactly.
 * The training stream oversamples failures by index repetition (x3 by default, the factor the
   build recorded); the held-out split is never oversampled or shuffled.
+* `group_by_prompt` shuffles prompts instead of records: a prompt's responses (its passes and
+  fails, which differ in the value that decides) stay adjacent, so they mostly share a batch.
 * Multi-host: the shuffled global stream is cut into global batches, and process p takes rows
   [p * B/P, (p+1) * B/P) of each (index batches of B/P, every P-th one). The processes' slices,
   in process order, are exactly the one-process batch, so a P-process run sees the batches a
@@ -20,8 +22,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+import sys
 from typing import Sequence
 
 import grain
@@ -37,6 +41,7 @@ class LoaderConfig:
     seed: int = 0
     shuffle: bool = True
     oversample_fail: int | None = None    # None: the factor recorded by the build (train only)
+    group_by_prompt: bool = False         # shuffle prompts, keep each prompt's responses adjacent
     num_epochs: int | None = None         # None: repeat forever
     process_index: int = 0
     process_count: int = 1
@@ -160,6 +165,26 @@ def stream_indices(labels: np.ndarray, oversample_fail: int) -> np.ndarray:
     return np.repeat(np.arange(len(labels)), reps)
 
 
+def grouped_epoch(prompts: np.ndarray, stream: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+    """One epoch of `stream` (record indices) reordered by prompt: the prompts in a permutation
+    drawn from (seed, epoch), each prompt's entries together in their stream order."""
+    group_of = prompts[stream]
+    rank = np.empty(int(prompts.max(initial=-1)) + 1, np.int64)
+    rank[np.random.default_rng((seed, epoch)).permutation(len(rank))] = np.arange(len(rank))
+    return stream[np.argsort(rank[group_of], kind="stable")]
+
+
+def _grouped_stream(index: dict, stream: np.ndarray, cfg: LoaderConfig) -> grain.MapDataset:
+    if "prompt" not in index:
+        raise ValueError("group_by_prompt needs shards whose index numbers the prompts "
+                         "(built before that column existed): rebuild them with launch.build_data")
+    epoch_len, epochs = len(stream), cfg.num_epochs
+    epoch = functools.lru_cache(maxsize=2)(
+        lambda e: grouped_epoch(index["prompt"], stream, cfg.seed, e))
+    total = sys.maxsize if epochs is None else epoch_len * epochs
+    return grain.MapDataset.range(total).map(lambda j: int(epoch(j // epoch_len)[j % epoch_len]))
+
+
 def make_dataset(data_dir: str, split: str, cfg: LoaderConfig) -> grain.MapDataset:
     """Batches of `split` as a Grain MapDataset (index i = batch i of this process)."""
     manifest = read_manifest(data_dir)
@@ -171,10 +196,13 @@ def make_dataset(data_dir: str, split: str, cfg: LoaderConfig) -> grain.MapDatas
     factor = cfg.oversample_fail if cfg.oversample_fail is not None else manifest["oversampling"]["factor"]
     idx = stream_indices(index["label"], factor if split == "train" else 1)
     source = grain.sources.ArrayRecordDataSource(records.shard_paths(data_dir, split))
-    ds = grain.MapDataset.source(idx)
-    if cfg.shuffle:
-        ds = ds.shuffle(seed=cfg.seed)
-    ds = ds.repeat(cfg.num_epochs)
+    if cfg.group_by_prompt and split == "train":
+        ds = _grouped_stream(index, idx, cfg)
+    else:
+        ds = grain.MapDataset.source(idx)
+        if cfg.shuffle:
+            ds = ds.shuffle(seed=cfg.seed)
+        ds = ds.repeat(cfg.num_epochs)
     P, local_batch = cfg.process_count, cfg.batch_size // cfg.process_count
     if P > 1 and cfg.num_epochs is not None:
         # Whole global batches only: truncated (drop_remainder) or padded with -1 (invalid rows).

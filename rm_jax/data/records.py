@@ -16,7 +16,8 @@ from flax import serialization
 from rm_jax.data.render import ROUTE_TOOL_CALL, JudgeInput
 
 SPLITS = ("train", "heldout")
-INDEX_FIELDS = ("length", "label", "route_tool_call", "has_image", "n_patches", "n_images")
+# `prompt` numbers the split's prompt_ids in first-seen order (the loader groups a prompt's responses).
+INDEX_FIELDS = ("length", "label", "route_tool_call", "has_image", "n_patches", "n_images", "prompt")
 
 
 def encode(ex: JudgeInput, pixel_dtype: np.dtype) -> bytes:
@@ -77,6 +78,7 @@ class ShardWriter:
         self.max_bytes, self.max_examples = max_bytes, max_examples
         self.rows: list[dict] = []
         self.ids: list[str] = []
+        self.prompt_numbers: dict[str, int] = {}
         self.paths: list[str] = []
         self._writer = None
         self._bytes = self._count = 0
@@ -98,7 +100,8 @@ class ShardWriter:
         self._writer.write(raw)
         self._bytes += len(raw)
         self._count += 1
-        self.rows.append(index_row(ex))
+        prompt = self.prompt_numbers.setdefault(ex.prompt_id, len(self.prompt_numbers))
+        self.rows.append({**index_row(ex), "prompt": prompt})
         self.ids.append(ex.id)
 
     def close_shard(self) -> None:

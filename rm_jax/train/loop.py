@@ -290,7 +290,7 @@ def loader_config(cfg, plan: RunPlan, *, split: str) -> loader_lib.LoaderConfig:
     return loader_lib.LoaderConfig(
         batch_size=plan.micro_batch, buckets=(run_length(cfg),), seed=int(cfg.seed), shuffle=split == "train",
         # The run's config decides the stream's fail share (the build's recorded factor is its default).
-        oversample_fail=int(cfg.data.oversample_fail),
+        oversample_fail=int(cfg.data.oversample_fail), group_by_prompt=bool(cfg.data.group_by_prompt),
         num_epochs=None if split == "train" else 1, drop_remainder=split == "train",
         process_index=jax.process_index(), process_count=jax.process_count(),
         fixed_patches=int(t.max_patches), fixed_images=int(t.max_images))
