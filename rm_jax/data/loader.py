@@ -178,10 +178,9 @@ def _grouped_stream(index: dict, stream: np.ndarray, cfg: LoaderConfig) -> grain
     if "prompt" not in index:
         raise ValueError("group_by_prompt needs shards whose index numbers the prompts "
                          "(built before that column existed): rebuild them with launch.build_data")
-    epoch_len, epochs = len(stream), cfg.num_epochs
-    epoch = functools.lru_cache(maxsize=2)(
-        lambda e: grouped_epoch(index["prompt"], stream, cfg.seed, e))
-    total = sys.maxsize if epochs is None else epoch_len * epochs
+    epoch_len = len(stream)
+    epoch = functools.lru_cache(maxsize=2)(lambda e: grouped_epoch(index["prompt"], stream, cfg.seed, e))
+    total = sys.maxsize if cfg.num_epochs is None else epoch_len * cfg.num_epochs
     return grain.MapDataset.range(total).map(lambda j: int(epoch(j // epoch_len)[j % epoch_len]))
 
 
@@ -196,7 +195,7 @@ def make_dataset(data_dir: str, split: str, cfg: LoaderConfig) -> grain.MapDatas
     factor = cfg.oversample_fail if cfg.oversample_fail is not None else manifest["oversampling"]["factor"]
     idx = stream_indices(index["label"], factor if split == "train" else 1)
     source = grain.sources.ArrayRecordDataSource(records.shard_paths(data_dir, split))
-    if cfg.group_by_prompt and split == "train":
+    if cfg.group_by_prompt and cfg.shuffle and split == "train":   # grouping is a way to shuffle
         ds = _grouped_stream(index, idx, cfg)
     else:
         ds = grain.MapDataset.source(idx)
