@@ -2,9 +2,9 @@
 
     python -m benchmarks.recall_probe --pairs=8 --steps=5000 [--recall_steps=3000]
 
-Sequence: BOS k1 v1 ... kP vP [--filler random tokens] SEP q v VERDICT; the label is pass iff v is q's value (half the
-time). The model is configs/tiny.py's Qwen3-VL-MoE (vocab 128), trained with Adam on CE of
-{pass, fail} at the last position, fresh samples every step; ``--recall_steps`` first trains the
+Sequence: BOS k1 v1 ... kP vP [--filler random tokens] SEP q v [--post_filler tokens] VERDICT;
+the label is pass iff v is q's value (half the time). The model is configs/tiny.py's
+Qwen3-VL-MoE (vocab 128), trained with Adam on CE of {pass, fail} at the last position, fresh samples every step; ``--recall_steps`` first trains the
 policy's objective (write q's value after "SEP q") on passing sequences. Prints held-out AUC
 (512 sequences) against steps and wall seconds. ``--text key=value`` overrides the judge's
 text_config (width, depth, ``mlp_only_layers`` for dense MLPs), ``--qk_gain`` scales the initial
@@ -30,6 +30,7 @@ flags.DEFINE_multi_string("text", [], "text_config overrides, key=value (e.g. hi
 flags.DEFINE_integer("seed", 0, "model init and data seed")
 flags.DEFINE_float("qk_gain", 1.0, "initial q_norm/k_norm gain (attention logits are bounded by gain^2 * sqrt(head_dim))")
 flags.DEFINE_integer("filler", 0, "random filler tokens between the pairs and the query (a longer context)")
+flags.DEFINE_integer("post_filler", 0, "random filler tokens between the queried value and the verdict slot")
 
 
 def _override(text_config: dict, items: list[str]) -> None:
@@ -54,7 +55,7 @@ def main(argv):
     STEPS, B, NKV, LR, PRE = f.steps, f.batch, f.pairs, f.lr, f.recall_steps
     d = model_config().to_dict(); d["text_config"]["vocab_size"] = 128
     _override(d["text_config"], f.text)
-    FILL = f.filler
+    FILL, POST = f.filler, f.post_filler
     cfg = registry.config_from_hf_dict(d, RuntimeOptions(dtype="float32", param_dtype="float32"))
     model = registry.init_model(cfg, seed=f.seed)
     KEYS, VALS, BOS, SEP, VER, PASS, FAIL = np.arange(20, 40), np.arange(40, 60), 11, 12, 13, 14, 15
@@ -67,7 +68,8 @@ def main(argv):
             q = rng.integers(NKV); ok = force_ok or rng.random() < 0.5
             vq = v[q] if ok else rng.choice([x for x in VALS if x != v[q]])
             fill = rng.integers(60, 128, FILL)
-            ids.append([BOS, *np.stack([k, v], 1).ravel(), *fill, SEP, k[q], vq, VER]); y.append(ok)
+            post = rng.integers(60, 128, POST)
+            ids.append([BOS, *np.stack([k, v], 1).ravel(), *fill, SEP, k[q], vq, *post, VER]); y.append(ok)
         return np.array(ids, np.int32), np.array(y)
 
     graphdef, state = nnx.split(model)
@@ -87,7 +89,7 @@ def main(argv):
     def recall_loss(state, inputs, ids):
         # the policy's objective: after "SEP q", write q's value (next-token CE at that one slot)
         out = nnx.merge(graphdef, state).forward_arrays(inputs)
-        return optax.softmax_cross_entropy_with_integer_labels(out.logits_btv[:, -3, :], ids[:, -2]).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(out.logits_btv[:, -3 - POST, :], ids[:, -2 - POST]).mean()
 
     @jax.jit
     def pre_step(state, ostate, inputs, ids):

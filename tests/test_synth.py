@@ -289,6 +289,23 @@ def test_special_tokens_and_verdict_tokens(tokenizer):
         assert full[:len(prefix)] == prefix and full[len(prefix)] == ids[0]
 
 
+def test_slot_values_are_single_distinct_tokens(tokenizer):
+    """A request's value and a call's value are one token, the same one in prose and in JSON, and
+    no two values share it: `16:9` is not `9:16` reordered, `2K` is not the count 2 plus `K`."""
+    values = [*synth.RESOLUTIONS, *synth.ASPECTS, *synth.COLOURS, *synth.SHAPES]
+    token_of = {}
+    for v in values:
+        prose = tokenizer(f"make it {v}, please", add_special_tokens=False)["input_ids"]
+        call = tokenizer(f'{{"value": "{v}", "count": 2}}', add_special_tokens=False)["input_ids"]
+        single = tokenizer(v, add_special_tokens=False)["input_ids"]
+        assert len(single) == 1, (v, [tokenizer.decode([i]) for i in single])
+        assert single[0] in prose and single[0] in call, v
+        token_of[v] = single[0]
+    assert len(set(token_of.values())) == len(values)
+    counts = {tokenizer(str(c), add_special_tokens=False)["input_ids"][0] for c in synth.COUNTS}
+    assert not counts & set(token_of.values())
+
+
 def test_chat_template_tools_images_tool_calls(dataset, tokenizer):
     _, samples, _ = dataset
     s = next(x for x in samples if any(m["role"] == "tool" for m in x["messages"]) and x["response"]["tool_calls"])

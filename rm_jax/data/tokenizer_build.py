@@ -46,8 +46,11 @@ TOOLS_FOOTER = ("\n</tools>\n\nCall a function as <tool_call>\n{\"name\": <funct
 # `", "`, `": "` or `"}, {"` becomes one piece (JSON is most of the judge input), while letters
 # and digits stay separate pieces, so `pass`/`fail` and values like `2K` are never glued to quotes;
 # (2) letters and digits never take the space before them: a value is the same token in a request
-# (` red`, ` 2K`) and in a call's JSON (`"red"`, `"2K"`), so comparing them is token identity.
-PRETOKENIZE_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d|\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+(?: [^\s\p{L}\p{N}]+)*"
+# (` red`, ` 2K`) and in a call's JSON (`"red"`, `"2K"`), so comparing them is token identity;
+# (3) a ratio (`16:9`) and a number with a one-letter unit (`2K`) are one piece: otherwise `16:9`
+# and `9:16` are the same tokens in another order, and `2K` shares its digit with a count of 2.
+PRETOKENIZE_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d|\p{N}+:\p{N}+|\p{N}+\p{Lu}(?!\p{L})|\p{L}+|\p{N}+"
+                     r"| ?[^\s\p{L}\p{N}]+(?: [^\s\p{L}\p{N}]+)*"
                      r"|\s+(?!\S)|\s+")
 
 # Jinja: modelled on Qwen3-VL's template (same structure and markers), minus video and thinking.
