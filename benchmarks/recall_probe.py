@@ -4,9 +4,10 @@
 
 Sequence: BOS k1 v1 ... kP vP [--filler random tokens] SEP q v [--post_filler tokens] VERDICT;
 the label is pass iff v is q's value (half the time). The model is configs/tiny.py's
-Qwen3-VL-MoE (vocab 128), trained with Adam on CE of {pass, fail} at the last position, fresh samples every step; ``--recall_steps`` first trains the
-policy's objective (write q's value after "SEP q") on passing sequences. Prints held-out AUC
-(512 sequences) against steps and wall seconds. ``--text key=value`` overrides the judge's
+Qwen3-VL-MoE (vocab 128), trained with Adam on CE of {pass, fail} at the last position, fresh
+samples every step; ``--recall_steps`` first trains the policy's objective (write q's value
+after "SEP q") on passing sequences. Prints held-out AUC (512 sequences) against steps and wall
+seconds. ``--text key=value`` overrides the judge's
 text_config (width, depth, ``mlp_only_layers`` for dense MLPs), ``--qk_gain`` scales the initial
 q/k-norm gains. A measurement, not a test.
 """
