@@ -24,6 +24,8 @@ from launch.common import define_config_flag
 flags.DEFINE_string("hf", None, "policy HF checkpoint (launch.policy_sft's DIR/hf)", required=True)
 flags.DEFINE_string("input", None, "samples JSONL", required=True)
 flags.DEFINE_string("tokenizer", "", "tokenizer dir (default: <input folder>/tokenizer)")
+flags.DEFINE_bool("judge_format", False, "read the responses where the judge reads them: inside the judge's "
+                  "transcript (rm_jax.data.render), not in the policy's own chat")
 flags.DEFINE_integer("n", 200, "passing samples measured: the file's last ones (the policy stage trains on "
                      "every passing sample of its input, so this is an in-sample figure)")
 
@@ -42,6 +44,21 @@ def value_token_ids(tokenizer) -> set[int]:
     return ids
 
 
+RESPONSE_MARKER = "## Response to judge\n[assistant]\n"
+
+
+def judge_response_span(tokenizer, ids: np.ndarray) -> np.ndarray:
+    """Positions of the judged response in the judge's prompt ids: after the transcript's response
+    header, up to the user turn's ``<|im_end|>``."""
+    marker = np.asarray(tokenizer(RESPONSE_MARKER, add_special_tokens=False)["input_ids"])
+    starts = [i for i in range(len(ids) - len(marker)) if (ids[i:i + len(marker)] == marker).all()]
+    if not starts:
+        raise ValueError("response marker not found in the judge's prompt")
+    begin = starts[-1] + len(marker)
+    end = begin + int(np.nonzero(ids[begin:] == tokenizer.convert_tokens_to_ids("<|im_end|>"))[0][0])
+    return np.arange(begin, end)
+
+
 def main(argv):
     del argv
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -51,7 +68,10 @@ def main(argv):
     from rm_jax.model import load_hf
     f = flags.FLAGS
     cfg = _CONFIG.value
-    renderer = PolicyRenderer.from_config(cfg.data, resolve_tokenizer_dir(f.tokenizer, f.input))
+    from rm_jax.data.render import Renderer
+    tok_dir = resolve_tokenizer_dir(f.tokenizer, f.input)
+    renderer = PolicyRenderer.from_config(cfg.data, tok_dir)
+    judge_renderer = Renderer.from_config(cfg.data, tok_dir) if f.judge_format else None
     model = load_hf(f.hf)[0]
     values = value_token_ids(renderer.tokenizer)
     samples = [s for s in read_samples(f.input) if isinstance(s, Sample) and s.label and s.label.l3 == "pass"]
@@ -59,33 +79,38 @@ def main(argv):
     per_value: dict[str, list[int]] = {}
     for s in samples[-f.n:]:
         try:
-            ex = renderer.render(s)
+            if judge_renderer is not None:
+                ex = judge_renderer.render(s, with_target=False)
+                input_ids, targets = ex.input_ids, judge_response_span(judge_renderer.tokenizer, ex.input_ids)
+            else:
+                ex = renderer.render(s)
+                input_ids, targets = ex.input_ids, np.nonzero(ex.target_mask)[0]
         except SampleError:
             continue
         # Right padding to a multiple of 128 (causal: earlier logits are unchanged): few compiles.
-        ids_t = np.pad(ex.input_ids, (0, -len(ex.input_ids) % 128), constant_values=int(renderer.eos_id))
+        ids_t = np.pad(input_ids, (0, -len(input_ids) % 128), constant_values=int(renderer.eos_id))
         out = model.forward(ids_t[None], pixel_values=ex.pixel_values if ex.has_image else None,
                             image_grid_thw=ex.image_grid_thw if ex.has_image else None)
         pred_t = np.asarray(out.logits_btv[0]).argmax(-1)
-        targets = np.nonzero(ex.target_mask)[0]
         for t in targets:
-            ok = int(pred_t[t - 1] == ex.input_ids[t])
+            ok = int(pred_t[t - 1] == input_ids[t])
             hits["all"][0] += ok
             hits["all"][1] += 1
-            if int(ex.input_ids[t]) in values:
+            if int(input_ids[t]) in values:
                 hits["value"][0] += ok
                 hits["value"][1] += 1
-                name = renderer.tokenizer.decode([int(ex.input_ids[t])]).strip(' "')
+                name = renderer.tokenizer.decode([int(input_ids[t])]).strip(' "')
                 per_value.setdefault(name, [0, 0])
                 per_value[name][0] += ok
                 per_value[name][1] += 1
     acc = {k: (h / n if n else float("nan")) for k, (h, n) in hits.items()}
-    print(f"policy {f.hf}: {hits['all'][1]} response tokens, accuracy {acc['all']:.3f}; "
+    print(f"policy {f.hf} ({'judge' if f.judge_format else 'policy'} format): {hits['all'][1]} response tokens, accuracy {acc['all']:.3f}; "
           f"{hits['value'][1]} value tokens, copy accuracy {acc['value']:.3f}")
     for name, (h, n) in sorted(per_value.items(), key=lambda kv: -kv[1][1])[:16]:
         print(f"  {name:>10}: {h}/{n}")
     print(json.dumps({"bench": "policy_copy", "tokens": hits["all"][1], "accuracy": round(acc["all"], 4),
-                      "value_tokens": hits["value"][1], "copy_accuracy": round(acc["value"], 4)}))
+                      "value_tokens": hits["value"][1], "copy_accuracy": round(acc["value"], 4),
+                      "format": "judge" if f.judge_format else "policy"}))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
     python -m benchmarks.recall_probe --pairs=8 --steps=5000 [--recall_steps=3000]
 
 Sequence: BOS k1 v1 ... kP vP [--filler random tokens] SEP q v [--post_filler tokens] VERDICT;
-the label is pass iff v is q's value (half the time). The model is configs/tiny.py's
+the label is pass iff v is q's value (``--fail_share`` sets how often it is not). The model is configs/tiny.py's
 Qwen3-VL-MoE (vocab 128), trained with Adam on CE of {pass, fail} at the last position, fresh
-samples every step; ``--recall_steps`` first trains the policy's objective (write q's value
+samples every step (``--train_pool=N``: a fixed set of N, as the demo's shards); ``--recall_steps`` first trains the policy's objective (write q's value
 after "SEP q") on passing sequences. Prints held-out AUC (512 sequences) against steps and wall
 seconds. ``--text key=value`` overrides the judge's
 text_config (width, depth, ``mlp_only_layers`` for dense MLPs), ``--qk_gain`` scales the initial
@@ -32,6 +32,9 @@ flags.DEFINE_integer("seed", 0, "model init and data seed")
 flags.DEFINE_float("qk_gain", 1.0, "initial q_norm/k_norm gain (attention logits are bounded by gain^2 * sqrt(head_dim))")
 flags.DEFINE_integer("filler", 0, "random filler tokens between the pairs and the query (a longer context)")
 flags.DEFINE_integer("post_filler", 0, "random filler tokens between the queried value and the verdict slot")
+flags.DEFINE_bool("fixed_post", False, "the post filler is the same tokens in every sequence (as the response's closing markup and the assistant header are)")
+flags.DEFINE_integer("train_pool", 0, "verdict steps draw from a fixed set of this many sequences (0: fresh every step)")
+flags.DEFINE_float("fail_share", 0.5, "share of failing sequences")
 
 
 def _override(text_config: dict, items: list[str]) -> None:
@@ -61,15 +64,16 @@ def main(argv):
     model = registry.init_model(cfg, seed=f.seed)
     KEYS, VALS, BOS, SEP, VER, PASS, FAIL = np.arange(20, 40), np.arange(40, 60), 11, 12, 13, 14, 15
     rng = np.random.default_rng(f.seed)
+    fixed_post = np.random.default_rng(f.seed + 1).integers(60, 128, POST)
 
     def batch(n, force_ok=False):
         ids, y = [], []
         for _ in range(n):
             k = rng.choice(KEYS, NKV, replace=False); v = rng.choice(VALS, NKV)
-            q = rng.integers(NKV); ok = force_ok or rng.random() < 0.5
+            q = rng.integers(NKV); ok = force_ok or rng.random() < 1.0 - f.fail_share
             vq = v[q] if ok else rng.choice([x for x in VALS if x != v[q]])
             fill = rng.integers(60, 128, FILL)
-            post = rng.integers(60, 128, POST)
+            post = fixed_post if f.fixed_post else rng.integers(60, 128, POST)
             ids.append([BOS, *np.stack([k, v], 1).ravel(), *fill, SEP, k[q], vq, *post, VER]); y.append(ok)
         return np.array(ids, np.int32), np.array(y)
 
@@ -106,6 +110,13 @@ def main(argv):
 
     evalf = jax.jit(lambda s, i, y: loss_fn(s, i, y)[1])
     vi, vy = batch(512); vin = prepare_inputs(cfg, vi)
+    pool = batch(f.train_pool) if f.train_pool else None
+
+    def train_batch():
+        if pool is None:
+            return batch(B)
+        pick = rng.choice(f.train_pool, B, replace=False)
+        return pool[0][pick], pool[1][pick]
     t0 = time.time()
     for s in range(1, PRE + 1):
         i, _ = batch(B, force_ok=True)     # passing sequences: the value written is the right one
@@ -113,7 +124,7 @@ def main(argv):
         if s % max(1, PRE // 5) == 0:
             print(f"recall step {s} loss {float(l):.3f} wall {time.time() - t0:.0f}s", flush=True)
     for s in range(1, STEPS + 1):
-        i, y = batch(B)
+        i, y = train_batch()
         state, ostate, l = step(state, ostate, prepare_inputs(cfg, i), jnp.asarray(y))
         if s % max(1, STEPS // 10) == 0:
             p = np.asarray(evalf(state, vin, jnp.asarray(vy)))
