@@ -104,13 +104,14 @@ def main(argv):
                 per_value[name][0] += ok
                 per_value[name][1] += 1
     acc = {k: (h / n if n else float("nan")) for k, (h, n) in hits.items()}
-    print(f"policy {f.hf} ({'judge' if f.judge_format else 'policy'} format): {hits['all'][1]} response tokens, accuracy {acc['all']:.3f}; "
+    fmt = "judge" if f.judge_format else "policy"
+    print(f"policy {f.hf} ({fmt} format): {hits['all'][1]} response tokens, accuracy {acc['all']:.3f}; "
           f"{hits['value'][1]} value tokens, copy accuracy {acc['value']:.3f}")
     for name, (h, n) in sorted(per_value.items(), key=lambda kv: -kv[1][1])[:16]:
         print(f"  {name:>10}: {h}/{n}")
     print(json.dumps({"bench": "policy_copy", "tokens": hits["all"][1], "accuracy": round(acc["all"], 4),
                       "value_tokens": hits["value"][1], "copy_accuracy": round(acc["value"], 4),
-                      "format": "judge" if f.judge_format else "policy"}))
+                      "format": fmt}))
 
 
 if __name__ == "__main__":

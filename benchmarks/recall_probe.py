@@ -2,14 +2,16 @@
 
     python -m benchmarks.recall_probe --pairs=8 --steps=5000 [--recall_steps=3000]
 
-Sequence: BOS k1 v1 ... kP vP [--filler random tokens] SEP q v [--post_filler tokens] VERDICT;
-the label is pass iff v is q's value (``--fail_share`` sets how often it is not). The model is configs/tiny.py's
-Qwen3-VL-MoE (vocab 128), trained with Adam on CE of {pass, fail} at the last position, fresh
-samples every step (``--train_pool=N``: a fixed set of N, as the demo's shards); ``--recall_steps`` first trains the policy's objective (write q's value
-after "SEP q") on passing sequences. Prints held-out AUC (512 sequences) against steps and wall
-seconds. ``--text key=value`` overrides the judge's
-text_config (width, depth, ``mlp_only_layers`` for dense MLPs), ``--qk_gain`` scales the initial
-q/k-norm gains. A measurement, not a test.
+Sequence: BOS k1 v1 ... kP vP [--filler random tokens] SEP q v [--post_filler tokens] VERDICT
+(``--echo_all``: SEP k1 v1' ... kP vP', every value repeated, one possibly wrong); the label is
+pass iff the repeated values are the keys' (``--fail_share`` sets how often not). The model is
+configs/tiny.py's Qwen3-VL-MoE (vocab 128), trained with Adam on CE of {pass, fail} at the last
+position, fresh samples every step (``--train_pool=N``: a fixed set of N, as the demo's shards);
+``--recall_steps`` first trains the policy's objective (write each repeated value after its key)
+on passing sequences. ``--fixed_post`` makes the post filler the same tokens every time (as the
+real closing markup is). Prints held-out AUC (512 sequences) against steps and wall seconds.
+``--text key=value`` overrides the judge's text_config (width, depth, ``mlp_only_layers`` for
+dense MLPs), ``--qk_gain`` scales the initial q/k-norm gains. A measurement, not a test.
 """
 import time
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -32,8 +34,12 @@ flags.DEFINE_integer("seed", 0, "model init and data seed")
 flags.DEFINE_float("qk_gain", 1.0, "initial q_norm/k_norm gain (attention logits are bounded by gain^2 * sqrt(head_dim))")
 flags.DEFINE_integer("filler", 0, "random filler tokens between the pairs and the query (a longer context)")
 flags.DEFINE_integer("post_filler", 0, "random filler tokens between the queried value and the verdict slot")
-flags.DEFINE_bool("fixed_post", False, "the post filler is the same tokens in every sequence (as the response's closing markup and the assistant header are)")
-flags.DEFINE_integer("train_pool", 0, "verdict steps draw from a fixed set of this many sequences (0: fresh every step)")
+flags.DEFINE_bool("fixed_post", False, "the post filler is the same tokens in every sequence (as the "
+                  "response's closing markup and the assistant header are)")
+flags.DEFINE_bool("echo_all", False, "after SEP, every key is echoed with its value (as a call repeats every "
+                  "requested slot); a failing sequence has one wrong value among them")
+flags.DEFINE_integer("train_pool", 0, "verdict steps draw from a fixed set of this many sequences "
+                     "(0: fresh every step)")
 flags.DEFINE_float("fail_share", 0.5, "share of failing sequences")
 
 
@@ -74,7 +80,12 @@ def main(argv):
             vq = v[q] if ok else rng.choice([x for x in VALS if x != v[q]])
             fill = rng.integers(60, 128, FILL)
             post = fixed_post if f.fixed_post else rng.integers(60, 128, POST)
-            ids.append([BOS, *np.stack([k, v], 1).ravel(), *fill, SEP, k[q], vq, *post, VER]); y.append(ok)
+            if f.echo_all:
+                echo = v.copy(); echo[q] = vq
+                tail = np.stack([k, echo], 1).ravel()
+            else:
+                tail = [k[q], vq]
+            ids.append([BOS, *np.stack([k, v], 1).ravel(), *fill, SEP, *tail, *post, VER]); y.append(ok)
         return np.array(ids, np.int32), np.array(y)
 
     graphdef, state = nnx.split(model)
@@ -94,7 +105,9 @@ def main(argv):
     def recall_loss(state, inputs, ids):
         # the policy's objective: after "SEP q", write q's value (next-token CE at that one slot)
         out = nnx.merge(graphdef, state).forward_arrays(inputs)
-        return optax.softmax_cross_entropy_with_integer_labels(out.logits_btv[:, -3 - POST, :], ids[:, -2 - POST]).mean()
+        echoed = NKV if f.echo_all else 1    # the echoed values end 2 tokens before the post filler
+        pos = np.array([-3 - POST - 2 * j for j in range(echoed)])
+        return optax.softmax_cross_entropy_with_integer_labels(out.logits_btv[:, pos, :], ids[:, pos + 1]).mean()
 
     @jax.jit
     def pre_step(state, ostate, inputs, ids):
