@@ -1,6 +1,6 @@
 """Does the policy copy the request's values? Teacher-forced accuracy of a policy checkpoint.
 
-    python -m benchmarks.policy_copy --hf=DIR --input=FILE [--n=200] [--tokenizer=DIR]
+    python -m benchmarks.policy_copy --hf=DIR --input=FILE [--n=200] [--tokenizer=DIR] [--judge_format]
 
 The judge starts from the policy (launch.policy_sft) on the premise that a policy which writes the
 right call has learned the lookup a judge needs ("2K" from the request into ``resolution``). This
@@ -8,7 +8,9 @@ measures that premise: over the passing responses of ``--input`` (the policy's o
 rendered by rm_jax.data.policy), the argmax of the next-token prediction against the response's
 tokens, overall and on the *value* tokens (the tokens of the slot values the synthetic requests
 state: resolutions, aspect ratios, counts, colours, shapes, styles). A value token's accuracy is the
-policy's copy rate; chance is about one over the pool size (3-13). A measurement, not a test.
+policy's copy rate; chance is about one over the pool size (3-13). ``--judge_format`` reads the
+same responses inside the judge's transcript (rm_jax.data.render), where the judge initialized from
+this policy reads them. A measurement, not a test.
 """
 
 from __future__ import annotations
@@ -44,13 +46,11 @@ def value_token_ids(tokenizer) -> set[int]:
     return ids
 
 
-RESPONSE_MARKER = "## Response to judge\n[assistant]\n"
-
-
 def judge_response_span(tokenizer, ids: np.ndarray) -> np.ndarray:
     """Positions of the judged response in the judge's prompt ids: after the transcript's response
     header, up to the user turn's ``<|im_end|>``."""
-    marker = np.asarray(tokenizer(RESPONSE_MARKER, add_special_tokens=False)["input_ids"])
+    from rm_jax.data.render import RESPONSE_HEADER
+    marker = np.asarray(tokenizer(RESPONSE_HEADER, add_special_tokens=False)["input_ids"])
     starts = [i for i in range(len(ids) - len(marker)) if (ids[i:i + len(marker)] == marker).all()]
     if not starts:
         raise ValueError("response marker not found in the judge's prompt")

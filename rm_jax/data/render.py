@@ -216,6 +216,10 @@ def _tool_result(out: _Parts, msg: Message, base_dir: str, index: int) -> None:
                 out.text(seg)
 
 
+# Opens the judged response in the transcript (benchmarks.policy_copy finds the response by it).
+RESPONSE_HEADER = "## Response to judge\n[assistant]\n"
+
+
 def build_transcript(sample: Sample, guard=_no_guard, *, with_response: bool = True) -> _Parts:
     """The judge's transcript; ``with_response=False`` stops after the conversation (the scalar
     RM's prompt: the candidate response then goes in its own assistant turn, rm_jax.rm.render)."""
@@ -239,7 +243,7 @@ def build_transcript(sample: Sample, guard=_no_guard, *, with_response: bool = T
         out.markup("\n")
     if not with_response:
         return out
-    out.markup("## Response to judge\n[assistant]\n")
+    out.markup(RESPONSE_HEADER)
     response_parts(out, sample)
     return out
 
