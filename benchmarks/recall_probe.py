@@ -103,9 +103,10 @@ def main(argv):
         return optax.softmax_cross_entropy_with_integer_labels(lg, y.astype(jnp.int32)).mean(), jax.nn.softmax(lg)[:, 1]
 
     def recall_loss(state, inputs, ids):
-        # the policy's objective: after "SEP q", write q's value (next-token CE at that one slot)
+        # the policy's objective: after each repeated key, write its value (next-token CE at the
+        # keys' positions; the last value sits right before the post filler)
         out = nnx.merge(graphdef, state).forward_arrays(inputs)
-        echoed = NKV if f.echo_all else 1    # the echoed values end 2 tokens before the post filler
+        echoed = NKV if f.echo_all else 1
         pos = np.array([-3 - POST - 2 * j for j in range(echoed)])
         return optax.softmax_cross_entropy_with_integer_labels(out.logits_btv[:, pos, :], ids[:, pos + 1]).mean()
 
