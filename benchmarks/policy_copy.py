@@ -46,19 +46,6 @@ def value_token_ids(tokenizer) -> set[int]:
     return ids
 
 
-def judge_response_span(tokenizer, ids: np.ndarray) -> np.ndarray:
-    """Positions of the judged response in the judge's prompt ids: after the transcript's response
-    header, up to the user turn's ``<|im_end|>``."""
-    from rm_jax.data.render import RESPONSE_HEADER
-    marker = np.asarray(tokenizer(RESPONSE_HEADER, add_special_tokens=False)["input_ids"])
-    starts = [i for i in range(len(ids) - len(marker)) if (ids[i:i + len(marker)] == marker).all()]
-    if not starts:
-        raise ValueError("response marker not found in the judge's prompt")
-    begin = starts[-1] + len(marker)
-    end = begin + int(np.nonzero(ids[begin:] == tokenizer.convert_tokens_to_ids("<|im_end|>"))[0][0])
-    return np.arange(begin, end)
-
-
 def main(argv):
     del argv
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -81,7 +68,10 @@ def main(argv):
         try:
             if judge_renderer is not None:
                 ex = judge_renderer.render(s, with_target=False)
-                input_ids, targets = ex.input_ids, judge_response_span(judge_renderer.tokenizer, ex.input_ids)
+                start, end = judge_renderer.response_span(ex.input_ids)
+                if start < 0:
+                    raise ValueError("response header not found in the judge's prompt")
+                input_ids, targets = ex.input_ids, np.arange(start, end)
             else:
                 ex = renderer.render(s)
                 input_ids, targets = ex.input_ids, np.nonzero(ex.target_mask)[0]

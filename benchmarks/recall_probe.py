@@ -9,7 +9,10 @@ configs/tiny.py's Qwen3-VL-MoE (vocab 128), trained with Adam on CE of {pass, fa
 position, fresh samples every step (``--train_pool=N``: a fixed set of N, as the demo's shards);
 ``--recall_steps`` first trains the policy's objective (write each repeated value after its key)
 on passing sequences. ``--fixed_post`` makes the post filler the same tokens every time (as the
-real closing markup is). Prints held-out AUC (512 sequences) against steps and wall seconds.
+real closing markup is). ``--value_loss`` adds a label at each repeated value's own position (the
+toy form of train.value_check_weight); ``--jitter`` varies the distance between a value and its
+repeat, ``--shuffle_echo`` their order. Prints held-out AUC (512 sequences) against steps and wall
+seconds (and the per-value AUC with ``--value_loss``).
 ``--text key=value`` overrides the judge's text_config (width, depth, ``mlp_only_layers`` for
 dense MLPs), ``--qk_gain`` scales the initial q/k-norm gains. A measurement, not a test.
 """
@@ -41,6 +44,16 @@ flags.DEFINE_bool("echo_all", False, "after SEP, every key is echoed with its va
 flags.DEFINE_integer("train_pool", 0, "verdict steps draw from a fixed set of this many sequences "
                      "(0: fresh every step)")
 flags.DEFINE_float("fail_share", 0.5, "share of failing sequences")
+flags.DEFINE_bool("jitter", False, "a random part of the filler goes before the pairs, so the distance between "
+                  "a value and its repeat varies (as between a request and a call) while the length stays fixed")
+flags.DEFINE_bool("shuffle_echo", False, "with --echo_all: the keys are repeated in a random order (finding a "
+                  "value's original takes its key, not its position)")
+flags.DEFINE_bool("keyless", False, "the request states its values without keys (\"2K\", not \"resolution 2K\"): "
+                  "each key has its own pool of values, and a value's original is found by its pool")
+flags.DEFINE_integer("distractors", 0, "with --keyless: this many values from the pools before the stated ones "
+                     "(an earlier turn's), so a value that occurs earlier is not thereby right")
+flags.DEFINE_float("value_loss", 0.0, "with --echo_all: weight of a per-value objective, {pass, fail} at each "
+                   "repeated value's own position (is this value its key's?), added to the verdict's CE")
 
 
 def _override(text_config: dict, items: list[str]) -> None:
@@ -73,20 +86,33 @@ def main(argv):
     fixed_post = np.random.default_rng(f.seed + 1).integers(60, 128, POST)
 
     def batch(n, force_ok=False):
-        ids, y = [], []
+        ids, y, per_value = [], [], []
         for _ in range(n):
-            k = rng.choice(KEYS, NKV, replace=False); v = rng.choice(VALS, NKV)
+            if f.keyless:     # pool j: keys KEYS[j], values VALS[5j:5j+5]
+                pools = rng.choice(len(VALS) // 5, NKV, replace=False)
+                k = KEYS[pools]; v = np.array([rng.choice(VALS[5 * j:5 * j + 5]) for j in pools])
+            else:
+                k = rng.choice(KEYS, NKV, replace=False); v = rng.choice(VALS, NKV)
             q = rng.integers(NKV); ok = force_ok or rng.random() < 1.0 - f.fail_share
-            vq = v[q] if ok else rng.choice([x for x in VALS if x != v[q]])
+            pool_q = VALS[5 * pools[q]:5 * pools[q] + 5] if f.keyless else VALS
+            vq = v[q] if ok else rng.choice([x for x in pool_q if x != v[q]])
             fill = rng.integers(60, 128, FILL)
+            n_pre = int(rng.integers(0, FILL + 1)) if f.jitter else 0
+            if f.keyless and f.distractors:   # before the stated values, as an earlier turn's
+                fill[:f.distractors] = rng.choice(VALS, f.distractors)
+                n_pre = max(n_pre, f.distractors)
             post = fixed_post if f.fixed_post else rng.integers(60, 128, POST)
             if f.echo_all:
                 echo = v.copy(); echo[q] = vq
-                tail = np.stack([k, echo], 1).ravel()
+                order = rng.permutation(NKV) if f.shuffle_echo else np.arange(NKV)
+                tail = np.stack([k[order], echo[order]], 1).ravel()
             else:
                 tail = [k[q], vq]
-            ids.append([BOS, *np.stack([k, v], 1).ravel(), *fill, SEP, *tail, *post, VER]); y.append(ok)
-        return np.array(ids, np.int32), np.array(y)
+            stated = np.stack([np.full(NKV, 60 + 67), v], 1).ravel() if f.keyless else np.stack([k, v], 1).ravel()
+            ids.append([BOS, *fill[:n_pre], *stated, *fill[n_pre:], SEP, *tail, *post, VER])
+            y.append(ok)
+            per_value.append([ok or o != q for o in (order if f.echo_all else range(NKV))])
+        return np.array(ids, np.int32), np.array(y), np.array(per_value)
 
     graphdef, state = nnx.split(model)
     if f.qk_gain != 1.0:
@@ -97,10 +123,18 @@ def main(argv):
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(optax.warmup_cosine_decay_schedule(0, LR, 20, STEPS + PRE)))
     ostate = opt.init(state)
 
-    def loss_fn(state, inputs, y):
+    # the repeated values' positions, first to last (the last sits right before the post filler)
+    value_pos = np.array([-2 - POST - 2 * (NKV - 1 - j) for j in range(NKV)])
+
+    def loss_fn(state, inputs, y, per_value):
         out = nnx.merge(graphdef, state).forward_arrays(inputs)
         lg = out.logits_btv[:, -1, :][:, jnp.array([FAIL, PASS])]
-        return optax.softmax_cross_entropy_with_integer_labels(lg, y.astype(jnp.int32)).mean(), jax.nn.softmax(lg)[:, 1]
+        loss = optax.softmax_cross_entropy_with_integer_labels(lg, y.astype(jnp.int32)).mean()
+        if f.value_loss and f.echo_all:
+            lv = out.logits_btv[:, value_pos, :][..., jnp.array([FAIL, PASS])]
+            loss = loss + f.value_loss * optax.softmax_cross_entropy_with_integer_labels(
+                lv, per_value.astype(jnp.int32)).mean()
+        return loss, (jax.nn.softmax(lg)[:, 1], jax.nn.softmax(out.logits_btv[:, value_pos, :][..., jnp.array([FAIL, PASS])])[..., 1])
 
     def recall_loss(state, inputs, ids):
         # the policy's objective: after each repeated key, write its value (next-token CE at the
@@ -117,32 +151,35 @@ def main(argv):
         return optax.apply_updates(state, u), ostate, l
 
     @jax.jit
-    def step(state, ostate, inputs, y):
-        (l, _), g = jax.value_and_grad(loss_fn, has_aux=True)(state, inputs, y)
+    def step(state, ostate, inputs, y, per_value):
+        (l, _), g = jax.value_and_grad(loss_fn, has_aux=True)(state, inputs, y, per_value)
         u, ostate = opt.update(g, ostate, state)
         return optax.apply_updates(state, u), ostate, l
 
-    evalf = jax.jit(lambda s, i, y: loss_fn(s, i, y)[1])
-    vi, vy = batch(512); vin = prepare_inputs(cfg, vi)
+    evalf = jax.jit(lambda s, i, y, pv: loss_fn(s, i, y, pv)[1])
+    def value_auc(p_value):   # the per-value readout, over every repeated value
+        return f" per-value AUC {roc_auc_score(vpv.ravel(), p_value.ravel()):.3f}" if f.value_loss and f.echo_all else ""
+    vi, vy, vpv = batch(512); vin = prepare_inputs(cfg, vi)
     pool = batch(f.train_pool) if f.train_pool else None
 
     def train_batch():
         if pool is None:
             return batch(B)
         pick = rng.choice(f.train_pool, B, replace=False)
-        return pool[0][pick], pool[1][pick]
+        return pool[0][pick], pool[1][pick], pool[2][pick]
     t0 = time.time()
     for s in range(1, PRE + 1):
-        i, _ = batch(B, force_ok=True)     # passing sequences: the value written is the right one
+        i, _, _ = batch(B, force_ok=True)     # passing sequences: the value written is the right one
         state, ostate, l = pre_step(state, ostate, prepare_inputs(cfg, i), jnp.asarray(i))
         if s % max(1, PRE // 5) == 0:
             print(f"recall step {s} loss {float(l):.3f} wall {time.time() - t0:.0f}s", flush=True)
     for s in range(1, STEPS + 1):
-        i, y = train_batch()
-        state, ostate, l = step(state, ostate, prepare_inputs(cfg, i), jnp.asarray(y))
+        i, y, pv = train_batch()
+        state, ostate, l = step(state, ostate, prepare_inputs(cfg, i), jnp.asarray(y), jnp.asarray(pv))
         if s % max(1, STEPS // 10) == 0:
-            p = np.asarray(evalf(state, vin, jnp.asarray(vy)))
-            print(f"step {s} loss {float(l):.3f} heldout AUC {roc_auc_score(vy, p):.3f} wall {time.time() - t0:.0f}s", flush=True)
+            p, p_value = map(np.asarray, evalf(state, vin, jnp.asarray(vy), jnp.asarray(vpv)))
+            print(f"step {s} loss {float(l):.3f} heldout AUC {roc_auc_score(vy, p):.3f}{value_auc(p_value)} "
+                  f"wall {time.time() - t0:.0f}s", flush=True)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,13 @@ def train_config() -> ml_collections.ConfigDict:
         context_lm_weight=0.0,
         context_lm_tokens=128,
         context_lm_passing_only=False,
+        # Swapped-value detection (rm_jax.data.value_swap): in `value_check_rate` of the passing
+        # examples one single-token argument value (e.g. `2K`) is swapped for another of its class,
+        # and the verdict tokens are read at every such value of the passing responses (fail where
+        # swapped). It gives each comparison its own label, where the verdict gives one bit for all.
+        value_check_weight=0.0,
+        value_check_rate=0.5,
+        value_check_tokens=32,       # labelled positions per example, static
         max_target_tokens=96,        # static per-example target budget (never truncated: checked)
         vocab_chunk=2048,
         max_patches=4096,            # per microbatch, static

@@ -16,3 +16,14 @@ SMALL_MODEL = {"model.text_config.num_hidden_layers": 2, "model.vision_config.de
 def override_flags(train: dict) -> list[str]:
     """`--config.train.K=V` for each entry of ``train``, then the small-model overrides."""
     return [f"--config.train.{k}={v}" for k, v in train.items()] + [f"--config.{k}={v}" for k, v in SMALL_MODEL.items()]
+
+
+def train_cfg(tiny_cfg, shards: str, **train):
+    """The tiny config on ``shards`` with OVERRIDES, ``train`` overrides and the small model (in process)."""
+    cfg = tiny_cfg.copy_and_resolve_references()
+    cfg.data.dir = shards
+    cfg.train.update({**OVERRIDES, **train})
+    cfg.model.text_config.num_hidden_layers = 2
+    cfg.model.vision_config.depth = 1
+    cfg.model.vision_config.deepstack_visual_indexes = (0,)
+    return cfg

@@ -17,19 +17,12 @@ from rm_jax.train import loop, optim
 from rm_jax.train.metrics_log import read_metrics
 from rm_jax.train.step import StepBuilder, StepConfig, host_batch_to_device
 from rm_jax.train.loss import LossConfig
-from run_flags import OVERRIDES, TIMING, override_flags
+from run_flags import OVERRIDES, TIMING, override_flags, train_cfg
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _cfg(tiny_cfg, shards, **over):
-    cfg = tiny_cfg.copy_and_resolve_references()
-    cfg.data.dir = shards
-    cfg.train.update({**OVERRIDES, **over})
-    cfg.model.text_config.num_hidden_layers = 2
-    cfg.model.vision_config.depth = 1
-    cfg.model.vision_config.deepstack_visual_indexes = (0,)
-    return cfg
+_cfg = train_cfg
 
 
 def _strip(rows):
@@ -415,13 +408,13 @@ def test_context_lm_term_is_the_prompt_tail_nll_added_with_its_weight(tiny_cfg, 
     builder = StepBuilder(model, optim.make_optimizer(optim.OptimConfig(lr=1e-3, warmup_steps=1, total_steps=2),
                                                       model), loop.step_config(cfg), mesh)
     one = jax.tree.map(lambda x: x[0], host.batch)
-    totals = (np.float32(host.batch.target_mask.sum()), np.float32(ctx.sum()))
+    totals = (np.float32(host.batch.target_mask.sum()), np.float32(ctx.sum()), np.float32(1.0))
     with jax.set_mesh(mesh):
-        objective, extras = jax.jit(builder._micro_loss)(builder._params, builder.rest, one.inputs, one.target_mask,
-                                                         one.context_mask, totals, 1)
+        objective, extras = jax.jit(builder._micro_loss)(builder._params, builder.rest, one, totals, 1)
         logits = jax.jit(lambda p, r, x: nnx.merge(builder.graphdef, p, r).forward_arrays(x).logits_btv)(
             builder._params, builder.rest, one.inputs)
-    ce_sum, n_tok, lb, _, _, ctx_sum, ctx_n = jax.device_get(extras)
+    sums = jax.device_get(extras)
+    ce_sum, n_tok, lb, ctx_sum, ctx_n = sums.ce_sum, sums.n_tokens, sums.lb, sums.context_sum, sums.context_n
     logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
     ids = np.asarray(one.inputs.input_ids_bt)
     b, t = np.nonzero(ctx)

@@ -21,7 +21,7 @@ import time
 import numpy as np
 from absl import logging
 
-from rm_jax.data import records
+from rm_jax.data import records, value_swap
 from rm_jax.data.render import ROUTE_TEXT_ONLY, ROUTE_TOOL_CALL, JudgeInput, Renderer
 from rm_jax.data.schema import Reject, Sample, SampleError, read_samples
 from rm_jax.utils import file_sha256, package_versions, tree_sha256
@@ -90,6 +90,7 @@ def build(input_path: str, out_dir: str, renderer: Renderer, opts: BuildOptions,
     image_tokens = n_images = 0
     balance = {r: {"pass": 0, "fail": 0} for r in (ROUTE_TOOL_CALL, ROUTE_TEXT_ONLY)}
     prompts_by_split: dict[str, set] = {s: set() for s in records.SPLITS}
+    value_collector = value_swap.ClassCollector(renderer.tokenizer)   # train split only
 
     items = read_samples(input_path)
     for item in tqdm(items, desc="build", unit="sample", disable=not progress, mininterval=2.0):
@@ -117,6 +118,8 @@ def build(input_path: str, out_dir: str, renderer: Renderer, opts: BuildOptions,
             flagged[f] += 1
         split = split_of(sample.prompt_id, opts.heldout_fraction, opts.split_seed)
         writers[split].write(ex, pixel_dtype)
+        if split == "train":
+            value_collector.add(sample, ex.input_ids, ex.response_span)
         prompts_by_split[split].add(sample.prompt_id)
         total_lengths.append(ex.length)
         text_lengths.append(ex.length - ex.n_image_tokens)
@@ -140,6 +143,7 @@ def build(input_path: str, out_dir: str, renderer: Renderer, opts: BuildOptions,
     oversampling = {"factor": opts.oversample_fail, "split": "train", "train_fail": n_fail, "train_pass": n_pass,
                     "stream_fail": n_fail * opts.oversample_fail,
                     "stream_total": n_pass + n_fail * opts.oversample_fail}
+    value_classes = value_collector.classes()
     rendered = kept + len(too_long_lengths)
     stats = {
         "read": read, "kept": kept, "rejected": len(rejects),
@@ -154,6 +158,8 @@ def build(input_path: str, out_dir: str, renderer: Renderer, opts: BuildOptions,
         "splits": {s: {"examples": split_info[s]["examples"], "prompts": len(prompts_by_split[s])}
                    for s in records.SPLITS},
         "oversampling": oversampling,
+        "value_classes": {"classes": len(value_classes.classes),
+                          "tokens": sum(len(c) for c in value_classes.classes)},
         "seconds": round(time.time() - t0, 3),
     }
     manifest = {
@@ -173,6 +179,8 @@ def build(input_path: str, out_dir: str, renderer: Renderer, opts: BuildOptions,
         "eos_id": int(renderer.eos_id),
         "splits": split_info,
         "oversampling": oversampling,
+        # interchangeable single-token argument values (rm_jax.data.value_swap; train.value_check_*)
+        "value_classes": value_classes.to_json(),
         "packages": package_versions(),
     }
     _write_rejects(out_dir, rejects)

@@ -122,6 +122,8 @@ class Collate:
         attention = np.zeros((B, L), np.int32)
         target = np.zeros((B, L), np.int32)
         scalars = {k: np.zeros((B,), np.int32) for k in ("verdict_pos", "label", "route_tool_call", "has_image")}
+        # Shards built before the response span was recorded read as "not found" (-1).
+        spans = {k: np.full((B,), -1, np.int32) for k in ("response_start", "response_end")}
         valid = np.zeros((B,), np.int32)
         pixels, grids = [], []
         for i, it in enumerate(items):
@@ -131,6 +133,8 @@ class Collate:
             target[i, :T] = it["target_mask"]
             for k in scalars:
                 scalars[k][i] = it[k]
+            for k in spans:
+                spans[k][i] = it.get(k, -1)
             valid[i] = 1
             if len(it["image_grid_thw"]):
                 pixels.append(it["pixel_values"])
@@ -151,7 +155,7 @@ class Collate:
         image_valid = (grid.prod(-1) > 0).astype(np.int32)
         return {"input_ids": input_ids, "attention_mask": attention, "target_mask": target,
                 "example_valid": valid, "pixel_values": pixel_values, "image_grid_thw": grid,
-                "image_valid": image_valid, **scalars}
+                "image_valid": image_valid, **scalars, **spans}
 
 
 def read_manifest(data_dir: str) -> dict:

@@ -31,6 +31,7 @@ def encode(ex: JudgeInput, pixel_dtype: np.dtype) -> bytes:
         "label": int(ex.label),
         "route_tool_call": int(ex.route == ROUTE_TOOL_CALL),
         "has_image": int(ex.has_image),
+        "response_start": int(ex.response_span[0]), "response_end": int(ex.response_span[1]),
     })
 
 

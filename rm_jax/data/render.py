@@ -82,6 +82,8 @@ class JudgeInput:
     has_image: bool
     n_image_tokens: int = 0
     flags: tuple[str, ...] = ()
+    # [start, end) of the judged response's tokens in input_ids; (-1, -1) when not found
+    response_span: tuple[int, int] = (-1, -1)
 
     @property
     def length(self) -> int:
@@ -291,6 +293,8 @@ class Renderer:
         self.guard = SpecialTokenGuard(tokenizer)
         self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else \
             tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self._response_marker = np.asarray(target_lib.encode_piece(tokenizer, RESPONSE_HEADER), np.int32)
+        self._turn_end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     @classmethod
     def from_config(cls, data_cfg, tokenizer_dir: str, storage_dtype: str = "float32") -> "Renderer":
@@ -361,7 +365,21 @@ class Renderer:
                          verdict_pos=verdict_pos, pixel_values=processed.pixel_values,
                          image_grid_thw=processed.grid_thw, route=self.route(sample), label=label,
                          has_image=bool(refs), n_image_tokens=int(sum(processed.tokens_per_image)),
-                         flags=sample.flags)
+                         flags=sample.flags, response_span=self.response_span(prompt_ids))
+
+    def response_span(self, prompt_ids: Sequence[int]) -> tuple[int, int]:
+        """[start, end) of the judged response in the prompt: after the transcript's last response
+        header, up to the user turn's end; (-1, -1) when the header does not tokenize apart."""
+        ids, m = np.asarray(prompt_ids, np.int32), self._response_marker
+        if len(m) == 0 or len(ids) < len(m):
+            return (-1, -1)
+        windows = np.lib.stride_tricks.sliding_window_view(ids, len(m))
+        hits = np.flatnonzero((windows == m).all(-1))
+        if not len(hits):
+            return (-1, -1)
+        start = int(hits[-1]) + len(m)
+        ends = np.flatnonzero(ids[start:] == self._turn_end_id)
+        return (start, start + int(ends[0])) if len(ends) else (-1, -1)
 
     def scoring_prefix_ids(self) -> list[int] | None:
         """Tokens appended after the prompt to reach the verdict slot (verdict-first only)."""

@@ -37,6 +37,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rm_jax.data import loader as loader_lib
+from rm_jax.data import value_swap
 from rm_jax.model import registry
 from rm_jax.model.config import RuntimeOptions
 from rm_jax.model.decode import verdict_probabilities
@@ -115,9 +116,19 @@ def build_model(cfg, mesh):
     return model, mcfg
 
 
-def step_config(cfg) -> StepConfig:
+def step_config(cfg, manifest: dict | None = None) -> StepConfig:
+    """``manifest``: the data's, which the swapped-value term needs (the verdict token ids)."""
     t = cfg.train
+    value_weight = float(t.get("value_check_weight", 0.0))
+    value_ids = (0, 0)
+    if value_weight:
+        tokens = (manifest or {}).get("verdict_tokens")
+        if not tokens:
+            raise ValueError("train.value_check_weight needs the data manifest's verdict_tokens")
+        value_ids = (int(tokens["fail_id"]), int(tokens["pass_id"]))
     return StepConfig(loss=LossConfig(int(t.max_target_tokens), int(t.vocab_chunk)),
+                      value_weight=value_weight, value_tokens=int(t.get("value_check_tokens", 32)),
+                      value_ids=value_ids,
                       lb_coef=float(cfg.moe.lb_coef), z_coef=float(cfg.moe.z_coef),
                       expert_grad_dtype=str(t.get("expert_grad_dtype", "")),
                       expert_accum_dtype=str(t.get("expert_accum_dtype", "")),
@@ -142,6 +153,43 @@ class TokenWeights:
         return cls(verdict_weight=float(t.get("verdict_weight", 1.0)), context_tokens=n if weight else 0,
                    context_passing_only=bool(t.get("context_lm_passing_only", False)),
                    image_token_id=int(mcfg.image_token_id))
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueCheck:
+    """The host side of the swapped-value term (train.value_check_*, rm_jax.data.value_swap): in a
+    ``rate`` share of the passing examples one value token is swapped, and the class tokens of
+    every passing response are labelled, ``tokens`` at most a row."""
+    classes: value_swap.ValueClasses
+    rate: float
+    tokens: int
+    seed: int
+
+    @classmethod
+    def from_config(cls, cfg, manifest: dict) -> "ValueCheck | None":
+        t = cfg.train
+        if not float(t.get("value_check_weight", 0.0)):
+            return None
+        rate, n = float(t.get("value_check_rate", 0.5)), int(t.get("value_check_tokens", 32))
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(f"train.value_check_rate={rate}: must be in (0, 1]")
+        if n <= 0:
+            raise ValueError(f"train.value_check_tokens={n}: must be > 0")
+        rows = manifest.get("value_classes")
+        if rows is None:
+            raise ValueError(f"train.value_check_weight: the shards in {cfg.data.dir} record no value classes "
+                             "(built before they were); rebuild them with launch.build_data")
+        if not rows:
+            raise ValueError("train.value_check_weight: the data has no value classes (no tool-call argument "
+                             "takes two or more single-token values), so there is nothing to swap")
+        return cls(value_swap.ValueClasses.from_json(rows), rate, n, int(cfg.seed))
+
+    def apply(self, b: dict, step: int, micro_index: int) -> tuple[dict, np.ndarray]:
+        """A loader batch with its swaps applied (swapped rows lose their target) and its labels."""
+        got = value_swap.swap_batch(b, self.classes, self.rate, (self.seed, step, micro_index),
+                                    row_offset=jax.process_index() * len(b["label"]), max_positions=self.tokens)
+        target = np.where(got.swapped[:, None], 0, b["target_mask"]).astype(b["target_mask"].dtype)
+        return {**b, "input_ids": got.input_ids, "target_mask": target}, got.value_target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +241,15 @@ def context_mask(b: dict, n_tokens: int, image_token_id: int, passing_only: bool
 
 
 def assemble(mcfg, micro: list[dict], frame_capacity: int,
-             weights: TokenWeights = TokenWeights()) -> HostBatch:
-    """Loader batches (numpy) -> one StepBatch with a leading accumulation axis."""
+             weights: TokenWeights = TokenWeights(), value_check: ValueCheck | None = None,
+             step: int = 0) -> HostBatch:
+    """Loader batches (numpy) -> one StepBatch with a leading accumulation axis. ``step``: the
+    step the batch trains (the swapped-value term's draws are a function of it, for resume)."""
+    value_target = None
+    if value_check is not None:
+        swapped = [value_check.apply(b, step, k) for k, b in enumerate(micro)]
+        micro = [b for b, _ in swapped]
+        value_target = np.stack([v for _, v in swapped])
     # The loader right-pads, so attention takes per-row key lengths (cuDNN flash on GPU) instead
     # of a [B, T, T] mask; an all-padding row gets length 1 so its softmax stays finite.
     prepared = [registry.prepare_inputs(mcfg, b["input_ids"], b["attention_mask"], b["pixel_values"],
@@ -215,7 +270,7 @@ def assemble(mcfg, micro: list[dict], frame_capacity: int,
         ctx = np.stack([context_mask(b, weights.context_tokens, weights.image_token_id, weights.context_passing_only)
                         for b in micro])
     target = np.stack([weighted_target_mask(b, weights.verdict_weight) for b in micro])
-    return HostBatch(StepBatch(inputs=inputs, target_mask=target, context_mask=ctx),
+    return HostBatch(StepBatch(inputs=inputs, target_mask=target, context_mask=ctx, value_target=value_target),
                      n_examples=int(sum(v.sum() for v in valid)),
                      n_fail=int(sum((b["label"][v] == 1).sum() for b, v in zip(micro, valid))))
 
@@ -314,6 +369,7 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     for key in ("log_every", "checkpoint_every", "eval_every"):
         if int(t[key]) < 0:
             raise ValueError(f"train.{key}={t[key]}: must be >= 0 (0 = only at the last step)")
+    value_check = ValueCheck.from_config(cfg, manifest)    # refuses shards without value classes early
     if t.init_from:
         adopt_init_config(cfg)
     mesh = make_mesh(cfg.mesh, num_experts=int(cfg.model.text_config.num_experts), global_batch=plan.micro_batch)
@@ -321,7 +377,7 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
 
     model, mcfg = build_model(cfg, mesh)
     ocfg = dataclasses.replace(optim.OptimConfig.from_config(t), total_steps=plan.total_steps)
-    step_cfg = step_config(cfg)
+    step_cfg = step_config(cfg, manifest)
     builder = StepBuilder(model, optim.make_optimizer(ocfg, nnx.state(model, nnx.Param)), step_cfg, mesh,
                           optim.schedule(ocfg))
     state = builder.init_state()
@@ -350,7 +406,8 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
 
     capacity, weights = frame_capacity(cfg, mcfg), TokenWeights.from_config(cfg, mcfg)
     verdict = VerdictSlot.from_manifest(manifest)
-    first = assemble(mcfg, stream.next(), capacity, weights) if start < plan.total_steps else None
+    first = (assemble(mcfg, stream.next(), capacity, weights, value_check, start)
+             if start < plan.total_steps else None)
     if first is not None:
         shardings = builder.batch_shardings(first.batch)
         placed = host_batch_to_device(first.batch, shardings)     # global shapes, for the lowering
@@ -373,7 +430,8 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     t_log, tokens_since, samples_since, fails_since = time.time(), 0, 0, 0
     try:
         while step < plan.total_steps:
-            host = pending if pending is not None else assemble(mcfg, stream.next(), capacity, weights)
+            host = (pending if pending is not None
+                    else assemble(mcfg, stream.next(), capacity, weights, value_check, step))
             pending = None
             check_target_budget(host.batch.target_mask.reshape(-1, host.batch.target_mask.shape[-1]),
                                 int(t.max_target_tokens))

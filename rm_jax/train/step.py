@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rm_jax.model.decode import verdict_logits_at
 from rm_jax.model.interface import JudgeInputs, JudgeModel
 from rm_jax.sharding import logical_to_spec
-from rm_jax.train.loss import LossConfig, target_cross_entropy
+from rm_jax.train.loss import LossConfig, target_cross_entropy, value_check_cross_entropy
 
 
 @flax.struct.dataclass
@@ -53,6 +53,29 @@ class StepBatch:
     # [A, B, T] weights of the prompt tokens in the context LM term (`StepConfig.context_weight`);
     # None when that term is off.
     context_mask: jax.Array | None = None
+    # [A, B, T] int8 labels of the swapped-value term (rm_jax.data.value_swap: -1 off, 0 a value the
+    # response wrote, 1 a swapped one); None when that term is off.
+    value_target: jax.Array | None = None
+
+
+@flax.struct.dataclass
+class LossSums:
+    """One microbatch's loss pieces (summed over the accumulation): token sums and counts of each
+    term, the MoE aux losses and the per-expert token counts."""
+    ce_sum: jax.Array
+    n_tokens: jax.Array
+    lb: jax.Array
+    z: jax.Array
+    expert_counts: jax.Array
+    context_sum: jax.Array
+    context_n: jax.Array
+    value_sum: jax.Array
+    value_n: jax.Array
+
+    @classmethod
+    def zeros(cls, n_exp: int) -> "LossSums":
+        z = jnp.zeros((), jnp.float32)
+        return cls(z, z, z, z, jnp.zeros((n_exp,), jnp.float32), z, z, z, z)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +90,11 @@ class StepConfig:
     # the target-only cross-entropy. Off (0) in the report's recipe: an SFT policy already reads.
     context_weight: float = 0.0
     context_tokens: int = 0         # static per-example budget of context positions (K for the gather)
+    # Swapped-value detection (rm_jax.data.value_swap): binary NLL of the verdict tokens at the
+    # labelled value positions, its own mean, added with this weight; logged as `value_check_loss`.
+    value_weight: float = 0.0
+    value_tokens: int = 0           # static per-example budget of labelled positions
+    value_ids: tuple[int, int] = (0, 0)   # (fail, pass) token ids: the verdict's first tokens
 
 
 class StepBuilder:
@@ -123,17 +151,23 @@ class StepBuilder:
 
     # -- the pure functions ---------------------------------------------------------------------
 
-    def _micro_loss(self, params, rest, inputs: JudgeInputs, target_mask, context_mask, totals, n_micro):
-        n_total, n_context = totals
+    def _micro_loss(self, params, rest, mb: StepBatch, totals, n_micro) -> tuple[jax.Array, LossSums]:
+        """``mb``: one microbatch (no A axis); ``totals``: the step's global counts of the target,
+        context and value terms, which each term's sum is divided by."""
+        n_total, n_context, n_value = totals
         model = nnx.merge(self.graphdef, params, rest)
-        out = model.forward_arrays(inputs, logits=False)
-        ids_bt = jnp.asarray(inputs.input_ids_bt)
-        tl = target_cross_entropy(out.final_hidden_btd, model.head_dv(), ids_bt, target_mask, self.cfg.loss)
-        ctx_sum = ctx_n = jnp.zeros((), jnp.float32)
-        if context_mask is not None:
-            cl = target_cross_entropy(out.final_hidden_btd, model.head_dv(), ids_bt, context_mask,
+        out = model.forward_arrays(mb.inputs, logits=False)
+        ids_bt = jnp.asarray(mb.inputs.input_ids_bt)
+        tl = target_cross_entropy(out.final_hidden_btd, model.head_dv(), ids_bt, mb.target_mask, self.cfg.loss)
+        ctx_sum = ctx_n = val_sum = val_n = jnp.zeros((), jnp.float32)
+        if mb.context_mask is not None:
+            cl = target_cross_entropy(out.final_hidden_btd, model.head_dv(), ids_bt, mb.context_mask,
                                       LossConfig(self.cfg.context_tokens, self.cfg.loss.vocab_chunk))
             ctx_sum, ctx_n = cl.loss_sum, cl.n_tokens
+        if mb.value_target is not None:
+            vl = value_check_cross_entropy(out.final_hidden_btd, model.head_dv(), jnp.asarray(mb.value_target),
+                                           self.cfg.value_ids, self.cfg.value_tokens)
+            val_sum, val_n = vl.loss_sum, vl.n_tokens
         aux = out.moe_aux
         if aux is None:
             lb = z = jnp.zeros((), jnp.float32)
@@ -142,8 +176,9 @@ class StepBuilder:
             lb, z = jnp.mean(aux.lb_loss), jnp.mean(aux.z_loss)
             counts = jnp.sum(aux.expert_counts.astype(jnp.float32).reshape(-1, aux.expert_counts.shape[-1]), 0)
         objective = (tl.loss_sum / n_total + self.cfg.context_weight * ctx_sum / n_context
+                     + self.cfg.value_weight * val_sum / n_value
                      + (self.cfg.lb_coef * lb + self.cfg.z_coef * z) / n_micro)
-        return objective, (tl.loss_sum, tl.n_tokens, lb, z, counts, ctx_sum, ctx_n)
+        return objective, LossSums(tl.loss_sum, tl.n_tokens, lb, z, counts, ctx_sum, ctx_n, val_sum, val_n)
 
     def _grad_view(self, params):
         """The params as differentiated: expert weights in `expert_grad_dtype` when set."""
@@ -165,18 +200,20 @@ class StepBuilder:
         master = params
         if with_grad:
             params = self._grad_view(params)
-        context = batch.context_mask if self.cfg.context_weight else None
-        # Both terms are divided by their *global* token counts (of the whole step).
-        totals = tuple(jnp.maximum(jnp.sum(m.astype(jnp.float32)), 1.0) if m is not None else jnp.ones(())
-                       for m in (batch.target_mask, context))
+        # Only the terms that are on travel (a term's mask may be in the batch with its weight 0).
+        batch = batch.replace(context_mask=batch.context_mask if self.cfg.context_weight else None,
+                              value_target=batch.value_target if self.cfg.value_weight else None)
+        # Each term is divided by its *global* token count (of the whole step).
+        count = lambda m, on: jnp.maximum(jnp.sum(on(m).astype(jnp.float32)), 1.0) if m is not None else jnp.ones(())
+        totals = (count(batch.target_mask, lambda m: m), count(batch.context_mask, lambda m: m),
+                  count(batch.value_target, lambda m: m >= 0))
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
         def body(carry, mb):
-            inputs, mask, ctx = mb
             if with_grad:
-                (_, extras), g = grad_fn(params, rest, inputs, mask, ctx, totals, n_micro)
+                (_, extras), g = grad_fn(params, rest, mb, totals, n_micro)
             else:
-                _, extras = self._micro_loss(params, rest, inputs, mask, ctx, totals, n_micro)
+                _, extras = self._micro_loss(params, rest, mb, totals, n_micro)
                 g = None
             acc_g, acc = carry
             acc = jax.tree.map(jnp.add, acc, extras)
@@ -184,35 +221,36 @@ class StepBuilder:
             return (acc_g, acc), None
 
         n_exp = self._n_experts()
+        on = dict(with_context=batch.context_mask is not None, with_value=batch.value_target is not None)
         if n_micro == 1:
             # No scan: a second (accumulator) gradient tree would double gradient memory.
-            inputs, mask, ctx = jax.tree.map(lambda x: x[0], (batch.inputs, batch.target_mask, context))
+            mb = jax.tree.map(lambda x: x[0], batch)
             if with_grad:
-                (_, extras), grads = grad_fn(params, rest, inputs, mask, ctx, totals, 1)
+                (_, extras), grads = grad_fn(params, rest, mb, totals, 1)
                 grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)   # fused into the update
             else:
-                _, extras = self._micro_loss(params, rest, inputs, mask, ctx, totals, 1)
+                _, extras = self._micro_loss(params, rest, mb, totals, 1)
                 grads = None
-            return grads, self._metrics(*extras, n_micro=1, n_exp=n_exp, with_context=ctx is not None)
+            return grads, self._metrics(extras, n_micro=1, n_exp=n_exp, **on)
         # The accumulator is in the master dtype (fp32), except for the routed-expert leaves when
         # `expert_accum_dtype` is set: they are ~95% of a 30B-A3B model, so a bf16 accumulator saves
         # a quarter of the gradient memory (the per-microbatch expert gradients are bf16 already).
         zeros_g = jax.tree.map(jnp.zeros_like, self._accum_view(master)) if with_grad else None
-        zeros = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros((n_exp,)), jnp.zeros(()),
-                 jnp.zeros(()))
-        (grads, extras), _ = jax.lax.scan(body, (zeros_g, zeros), (batch.inputs, batch.target_mask, context))
+        (grads, extras), _ = jax.lax.scan(body, (zeros_g, LossSums.zeros(n_exp)), batch)
         if with_grad:
             grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
-        return grads, self._metrics(*extras, n_micro=n_micro, n_exp=n_exp, with_context=context is not None)
+        return grads, self._metrics(extras, n_micro=n_micro, n_exp=n_exp, **on)
 
     @staticmethod
-    def _metrics(ce_sum, n_tok, lb, z, counts, ctx_sum, ctx_n, *, n_micro: int, n_exp: int,
-                 with_context: bool) -> dict:
-        metrics = {"loss": ce_sum / jnp.maximum(n_tok, 1.0), "target_tokens": n_tok,
-                   "lb_loss": lb / n_micro, "z_loss": z / n_micro}
+    def _metrics(s: LossSums, *, n_micro: int, n_exp: int, with_context: bool, with_value: bool) -> dict:
+        metrics = {"loss": s.ce_sum / jnp.maximum(s.n_tokens, 1.0), "target_tokens": s.n_tokens,
+                   "lb_loss": s.lb / n_micro, "z_loss": s.z / n_micro}
         if with_context:
-            metrics["context_loss"] = ctx_sum / jnp.maximum(ctx_n, 1.0)
+            metrics["context_loss"] = s.context_sum / jnp.maximum(s.context_n, 1.0)
+        if with_value:
+            metrics["value_check_loss"] = s.value_sum / jnp.maximum(s.value_n, 1.0)
         if n_exp > 1:
+            counts = s.expert_counts
             load = counts / jnp.maximum(jnp.sum(counts), 1.0)
             metrics["expert_load_max"] = jnp.max(load)
             metrics["expert_imbalance"] = jnp.max(counts) / jnp.maximum(jnp.mean(counts), 1e-9)
@@ -315,7 +353,8 @@ def batch_shardings(batch: StepBatch, mesh, process_count: int | None = None) ->
                            positions_3bt=spec(inp.positions_3bt, 2),
                            image_index_bt=spec(inp.image_index_bt, 1), kv_lengths_b=spec(inp.kv_lengths_b, 1),
                            vision=None if inp.vision is None else jax.tree.map(lambda _: replicated, inp.vision)),
-        target_mask=spec(batch.target_mask, 1), context_mask=spec(batch.context_mask, 1))
+        target_mask=spec(batch.target_mask, 1), context_mask=spec(batch.context_mask, 1),
+        value_target=spec(batch.value_target, 1))
 
 
 def place(x, sharding) -> jax.Array:
