@@ -47,6 +47,11 @@ TEXT_ONLY_CONTRACT_COMPACT = (
     "false_completion_claim, should_have_called_tool, contradicts_request_or_tool_result, "
     "text_hallucination, ignores_user_correction. " + COMPACT_OUTPUT_FORMAT)
 
+# The minimal contracts of configs/tiny.py: the route alone. Its judge sees ~100-token inputs, where
+# even the compact contracts were a third of the text between the request and the verdict slot.
+TOOL_CALL_CONTRACT_ROUTE = "Judge the tool call."
+TEXT_ONLY_CONTRACT_ROUTE = "Judge the text answer."
+
 TOOL_CALL_ISSUES = ("wrong_tool", "missing_param", "wrong_param", "extra_call", "image_mismatch")
 TEXT_ONLY_ISSUES = ("false_completion_claim", "should_have_called_tool",
                     "contradicts_request_or_tool_result", "text_hallucination",

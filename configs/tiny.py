@@ -61,8 +61,8 @@ def data_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         dir="",                      # built shards (launch.build_data --out)
         tokenizer="",                # tokenizer dir; default: <input folder>/tokenizer
-        max_len=640,                 # text + image tokens; longer samples are rejected as too_long
-        buckets=(384, 512, 640),     # padded lengths: static shapes, few compiles
+        max_len=320,                 # text + image tokens; longer samples are rejected as too_long
+        buckets=(128, 192, 256, 320),  # padded lengths: static shapes, few compiles
         field_order=("l3", "reason", "issues", "img"),  # verdict first; reason-first is ablation only
         oversample_fail=3,           # failures repeated x3 in the training split only
         group_by_prompt=False,       # shuffle prompts, keeping a prompt's responses in one batch
@@ -75,12 +75,12 @@ def data_config() -> ml_collections.ConfigDict:
             max_image_tokens=1024,   # per-image cap on merged tokens
             thumbnail_edge=512,      # teacher requests
         ),
-        # The compact contracts: a random-init judge cannot read the full ones (judge_contracts).
-        tool_contract=judge_contracts.TOOL_CALL_CONTRACT_COMPACT,
-        text_contract=judge_contracts.TEXT_ONLY_CONTRACT_COMPACT,
-        # One signature line per tool instead of the template's schema JSON: the tiny judge's
-        # text budget goes to the conversation (template = the policy's own format, the default).
-        tools_listing="signatures",
+        # The route-only contracts and no tool listing: a tiny judge cannot read instructions, and
+        # every token between the request and the verdict slot slows what it must learn, the
+        # comparison (judge_contracts; template = the policy's own format, the default).
+        tool_contract=judge_contracts.TOOL_CALL_CONTRACT_ROUTE,
+        text_contract=judge_contracts.TEXT_ONLY_CONTRACT_ROUTE,
+        tools_listing="none",
     ))
 
 
@@ -102,6 +102,9 @@ def train_config() -> ml_collections.ConfigDict:
         b1=0.9,
         b2=0.95,
         clip_norm=1.0,
+        # Random init only: W_Q starts equal to W_K in the decoder (rm_jax.model.mimetic_init), with
+        # the q/k norms scaled by this gain; 0 = plain random init.
+        mimetic_qk_gain=0.0,
         freeze_vision=False,
         dtype="float32",             # compute dtype (bfloat16 on GPU)
         param_dtype="float32",       # master weights + optimizer state
@@ -130,14 +133,21 @@ def train_config() -> ml_collections.ConfigDict:
         value_check_weight=0.0,
         value_check_rate=0.5,
         value_check_tokens=32,       # labelled positions per example, static
+        value_check_verdict=False,   # a swapped example trains its verdict token as fail
+        # Seen-token term (rm_jax.data.seen_tokens): every judged response token labelled by
+        # whether it occurs earlier in the input, read at the verdict tokens' logits there.
+        seen_check_weight=0.0,
+        seen_check_tokens=64,        # labelled positions per example, static
+        seen_check_values_only=False,  # label only the value classes' tokens (as the swapped-value term)
+        seen_check_cumulative=False,   # label "a new value so far" at every position up to the slot
         max_target_tokens=96,        # static per-example target budget (never truncated: checked)
         vocab_chunk=2048,
         max_patches=4096,            # per microbatch, static
         max_images=32,
-        checkpoint_every=100,
+        checkpoint_every=200,
         keep=0,                      # 0 = keep every checkpoint (the sweep scores them all)
         async_checkpoint=True,
-        eval_every=100,
+        eval_every=200,
         eval_batches=16,             # held-out batches per validation (0 = the whole split); ~4 s each on CPU
         log_every=10,
         tensorboard=True,

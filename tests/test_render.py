@@ -97,7 +97,9 @@ def test_route_and_contract(sample_dir, renderer):
     text_prompt, _ = renderer.prompt_text(text)
     assert renderer.cfg.tool_contract in tool_prompt and renderer.cfg.text_contract not in tool_prompt
     assert renderer.cfg.text_contract in text_prompt and renderer.cfg.tool_contract not in text_prompt
-    assert "change_aspect_ratio" in tool_prompt.split("## Conversation")[0]   # tool schemas via the template
+    # The tiny config lists no tools: the system turn is the routed contract alone
+    # (the listing modes: test_tools_listing_signatures_template_and_none).
+    assert tool_prompt.startswith(f"<|im_start|>system\n{renderer.cfg.tool_contract}<|im_end|>")
 
 
 def test_render_tokens_images_mask_and_slot(sample_dir, renderer):
@@ -204,15 +206,21 @@ def test_remote_image_refs_stay_text_missing_local_paths_still_reject(sample_dir
     assert e.value.reason == "missing_image"
 
 
-def test_tools_listing_signatures_and_template(sample_dir, renderer):
-    """``signatures`` (the tiny config) lists one line per tool in the judge's system turn, and the
-    policy's system turn; ``template`` leaves the listing to the chat template's tools block."""
+def test_tools_listing_signatures_template_and_none(sample_dir, renderer):
+    """``signatures`` lists one line per tool in the judge's system turn, and the policy's system
+    turn; ``template`` leaves the listing to the chat template's tools block; ``none`` (the tiny
+    config) lists nothing, in either turn."""
     import dataclasses
 
     from rm_jax.data.policy import PolicyRenderer
     from rm_jax.data.render import RenderConfig, Renderer, tool_signature
     s = _sample(sample_dir, arguments={"aspect_ratio": "16:9"})
-    assert renderer.cfg.tools_listing == "signatures"
+    assert renderer.cfg.tools_listing == "none"
+    bare, _ = renderer.prompt_text(s)
+    assert "change_aspect_ratio(" not in bare and '"parameters"' not in bare and "# Tools" not in bare
+    bare_policy, _, _ = PolicyRenderer(renderer.tokenizer, renderer.image_pre, renderer.cfg).texts(s)
+    assert "# Tools" not in bare_policy and "<tools>" not in bare_policy
+    renderer = Renderer(renderer.tokenizer, renderer.image_pre, dataclasses.replace(renderer.cfg, tools_listing="signatures"))
     assert tool_signature(s.tools[0]) == "change_aspect_ratio(aspect_ratio)"
     assert tool_signature({"function": {"name": "g", "parameters": {"properties": {
         "p": {"type": "string"}, "n": {"type": "integer", "minimum": 1, "maximum": 4}}, "required": ["p"]}}}) \

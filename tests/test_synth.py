@@ -114,6 +114,30 @@ def conversation_images(s: dict) -> list[str]:
     return out
 
 
+def _reference_images(out: str) -> list[str]:
+    """images/<folder>/ref.png: one reference image per prompt that has one."""
+    root = os.path.join(out, "images")
+    return [os.path.join(root, d, "ref.png") for d in sorted(os.listdir(root))
+            if os.path.isfile(os.path.join(root, d, "ref.png"))]
+
+
+def test_generated_files_are_named_by_one_token_stems(dataset):
+    """A generated image is images/<k in letters>/<stem>.png; a note's cited file differs from the tool
+    result's in one token (the stem) when it is hallucinated."""
+    _, samples, _ = dataset
+    for s in samples:
+        for path in conversation_images(s):
+            folder, name = path.split("/")[1:]
+            assert folder == synth._folder(int(s["prompt_id"][1:])) and not any(c.isdigit() for c in folder)
+            assert name[:-4] in (*synth.FILE_STEMS, "ref"), (s["id"], path)
+    halluc = [s for s in samples if s["label"]["issues"] == ["text_hallucination"]]
+    assert halluc
+    for s in halluc:
+        returned = {p.split("/")[-1] for p in conversation_images(s)}
+        cited = re.search(r"(\w+\.png)", s["response"]["content"]).group(1)
+        assert cited not in returned and cited[:-4] in synth.FILE_STEMS, s["id"]
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -152,9 +176,9 @@ def test_listed_schemas_leave_out_the_enums(dataset):
 def test_reference_images_are_varied_non_square(dataset):
     from PIL import Image
     out, _, _ = dataset
-    refs = sorted(f for f in os.listdir(os.path.join(out, "images")) if f.startswith("ref_"))[:40]
-    sizes = [Image.open(os.path.join(out, "images", f)).size for f in refs]
-    assert all(w != h and 48 <= w <= 96 and 48 <= h <= 96 for w, h in sizes)
+    refs = _reference_images(out)[:40]
+    sizes = [Image.open(f).size for f in refs]
+    assert all(w != h and 40 <= w <= 64 and 40 <= h <= 64 for w, h in sizes)
     assert len(set(sizes)) > 10
 
 
@@ -292,7 +316,7 @@ def test_special_tokens_and_verdict_tokens(tokenizer):
 def test_slot_values_are_single_distinct_tokens(tokenizer):
     """A request's value and a call's value are one token, the same one in prose and in JSON, and
     no two values share it: `16:9` is not `9:16` reordered, `2K` is not the count 2 plus `K`."""
-    values = [*synth.RESOLUTIONS, *synth.ASPECTS, *synth.COLOURS, *synth.SHAPES]
+    values = [*synth.RESOLUTIONS, *synth.ASPECTS, *synth.COLOURS, *synth.SHAPES, *synth.FILE_STEMS]
     token_of = {}
     for v in values:
         prose = tokenizer(f"make it {v}, please", add_special_tokens=False)["input_ids"]
@@ -336,8 +360,8 @@ def test_image_processor(dataset):
     img_cfg = tiny.data_config().image
     assert proc.patch_size == 8 and proc.merge_size == 2 and proc.temporal_patch_size == 2
     assert proc.size["longest_edge"] == img_cfg.max_pixels and proc.size["shortest_edge"] == img_cfg.min_pixels
-    ref = next(f for f in sorted(os.listdir(os.path.join(out, "images"))) if f.startswith("ref_"))
-    res = proc(images=[Image.open(os.path.join(out, "images", ref)).convert("RGB")], return_tensors="np")
+    ref = _reference_images(out)[0]
+    res = proc(images=[Image.open(ref).convert("RGB")], return_tensors="np")
     t, h, w = res["image_grid_thw"][0]
     assert t == 1 and h % 2 == 0 and w % 2 == 0
 

@@ -10,8 +10,8 @@ byte for byte what it sees when scoring. The judge chat is
 
 rendered with the base model's own chat template (`apply_chat_template`, with the sample's tool
 schemas, so the judge reads them in the format the policy read them). ``data.tools_listing =
-"signatures"`` lists one ``name(args)`` line per tool in the system turn instead (the tiny judge's
-short text budget).
+"signatures"`` lists one ``name(args)`` line per tool in the system turn instead, and ``"none"`` lists
+nothing (the tiny judge's short text budget).
 
 Transcript rules, each from a failure in the field report:
 * History assistant turns are kept exactly as they are. Online they carry no ``tool_calls``;
@@ -45,7 +45,8 @@ ROUTE_TEXT_ONLY = "text_only"
 
 TOOLS_TEMPLATE = "template"       # the chat template's own tools block (the policy's format)
 TOOLS_SIGNATURES = "signatures"   # one line per tool, e.g. ``upscale_image(image, resolution)``
-TOOLS_LISTINGS = (TOOLS_TEMPLATE, TOOLS_SIGNATURES)
+TOOLS_NONE = "none"               # no listing: a judge whose every check compares the conversation
+TOOLS_LISTINGS = (TOOLS_TEMPLATE, TOOLS_SIGNATURES, TOOLS_NONE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +118,7 @@ def signatures_text(tools: Sequence[dict], guard) -> str:
 
 def system_listing(sample: Sample, cfg: RenderConfig, guard) -> str:
     """The tools text a system turn carries: the signatures in that mode, else "" (the template
-    lists the schemas itself)."""
+    lists the schemas itself; ``none`` lists nothing)."""
     return signatures_text(sample.tools, guard) if cfg.tools_listing == TOOLS_SIGNATURES else ""
 
 

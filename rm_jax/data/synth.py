@@ -34,9 +34,14 @@ Design choices
   the call's shape; their passing twins (a parameter the user never asked for is omitted; two
   requested edits give two calls) keep the shape statistics close. tests/test_synth.py checks
   that a logistic regression on surface features stays near AUC 0.5.
-* **Learnable by a tiny judge.** The contradicting value is a short token (``2K``, ``16:9``,
-  ``3``, ``red``, ``star``, a file name) that also appears in the request or the tool result, and
-  conversations stay short: a handful of turns, 1-2 tool schemas, 0-2 small images.
+* **Learnable by a tiny judge.** The contradicting value is one token (``2K``, ``16:9``, ``3``,
+  ``red``, ``star``, a file stem such as ``leaf``) that also appears in the request or the tool
+  result. Conversations are short (the judge input's median is ~160 tokens with images): no policy
+  system prompt, terse requests, tool results that state only status, count and images, and no
+  value a later call could take by mistake (a follow-up's first request states no resolution or
+  aspect ratio unless a call reuses it). Image folders are letters (``images/bm/leaf.png``), so no
+  digit in a path reads as a count, and each edit request names its tool's word ("upscale it to
+  4K" -> ``upscale_image``), so a wrong tool differs from the request as a value does.
 * **Images are real.** Reference images and every image a tool result names are PNGs drawn with
   PIL (known colour and shape on a plain background; non-square reference sizes 48-96 px;
   generated images at the requested aspect ratio, scaled down). What a tool "produced" can
@@ -70,12 +75,15 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "yellow": (235, 200, 40), "purple": (140, 60, 190), "orange": (245, 140, 30)}
 SHAPES = ("circle", "square", "triangle", "star", "diamond")
 RESOLUTIONS = ("1K", "2K", "4K")
-RES_EDGE = {"1K": 1024, "2K": 2048, "4K": 4096}
 ASPECTS = ("1:1", "16:9", "9:16", "4:3", "3:4")
 COUNTS = (1, 2, 3, 4)
 MAX_COUNT = 4              # generate_image's schema maximum: the refusal scenario's limit
 BACKGROUNDS = ((255, 255, 255), (236, 236, 236), (250, 245, 230))
 STYLES = ("watercolor", "pixel", "sketch", "oil")
+
+# Generated files are images/<folder>/<stem>.png (_folder): the stem is one token, so a note citing a file no
+# tool result returned differs from the right note in one token, like every other value.
+FILE_STEMS = ("sun", "moon", "leaf", "wave", "rock", "bird", "lake", "hill")
 
 TOOL_ISSUES = judge_contracts.TOOL_CALL_ISSUES
 TEXT_ISSUES = judge_contracts.TEXT_ONLY_ISSUES
@@ -130,23 +138,20 @@ TOOLS: dict[str, dict] = {t["function"]["name"]: t for t in (
 assert len(TOOLS) == 13
 
 # Follow-up edits: op -> (tool, argument key, value pool or None, request phrasings).
+# Each phrasing names its tool's word (upscale, aspect ratio, recolor, shape, background), so a
+# call to another tool is a comparison of the call's name with the request, as a value is.
 OPS: dict[str, tuple[str, str | None, tuple | None, tuple[str, ...]]] = {
     "upscale": ("upscale_image", "resolution", RESOLUTIONS,
-                ("upscale it to {v}", "make it sharper, {v}")),
+                ("upscale it to {v}", "please upscale to {v}")),
     "aspect": ("change_aspect_ratio", "aspect_ratio", ASPECTS,
-               ("change it to {v}", "I need it in {v}")),
+               ("change the aspect ratio to {v}", "aspect ratio {v} please")),
     "recolor": ("recolor_image", "colour", tuple(COLOURS),
-                ("make it {v}", "recolour the shape to {v}")),
+                ("recolor it {v}", "recolor the image to {v}")),
     "reshape": ("change_shape", "shape", SHAPES,
-                ("turn it into a {v}", "redraw it as a {v}")),
+                ("change the shape to a {v}", "shape it as a {v}")),
     "nobg": ("remove_background", None, None,
-             ("remove the background", "cut it out, no background")),
+             ("remove the background", "cut out the background")),
 }
-
-SYSTEM_PROMPTS = (
-    "You are an image assistant with tools.",
-    "You make images with tools; answer briefly.",
-)
 
 KINDS = ("generate", "followup", "delivery", "clarify", "refuse", "correction")
 # generate+followup call tools (~55%); the rest answer in text (~45%).
@@ -226,15 +231,20 @@ def _other(rng: np.random.Generator, seq, value):
     return rest[int(rng.integers(len(rest)))]
 
 
-def _other_prompt(rng: np.random.Generator, n_prompts: int, k: int) -> int:
-    """Another prompt's number, uniform like the true one: a hallucinated file name looks real."""
-    return _other(rng, range(max(n_prompts, 2)), k)
+def _stems(rng: np.random.Generator, n: int) -> list[str]:
+    """n distinct file stems for one conversation's generated images."""
+    return [FILE_STEMS[i] for i in rng.permutation(len(FILE_STEMS))[:n]]
 
 
-def _dims(resolution: str, aspect: str) -> tuple[int, int]:
-    a, b = (int(x) for x in aspect.split(":"))
-    edge = RES_EDGE[resolution]
-    return (edge, edge * b // a) if a >= b else (edge * a // b, edge)
+def _folder(k: int) -> str:
+    """A prompt's image folder, its number in letters (``p12`` -> ``bm``): no digit in a path can be
+    read as a count."""
+    letters = ""
+    while True:
+        k, r = divmod(k, 26)
+        letters = chr(ord("a") + r) + letters
+        if not k:
+            return letters
 
 
 def _plural(n: int) -> str:
@@ -319,21 +329,22 @@ class ImageWriter:
         else:
             raise ValueError(f"unknown shape {shape!r}")
         rel = f"images/{name}.png"
+        os.makedirs(os.path.dirname(os.path.join(self.out_dir, rel)), exist_ok=True)
         img.save(os.path.join(self.out_dir, rel), format="PNG")
         return Drawn(rel, colour, shape)
 
     def reference(self, rng: np.random.Generator, name: str, colour: str, shape: str) -> Drawn:
         # Non-square, varying sizes: the processor's resize path must see odd shapes.
-        w = int(rng.integers(48, 97))
-        h = int(rng.integers(48, 97))
+        w = int(rng.integers(40, 65))
+        h = int(rng.integers(40, 65))
         if h == w:
-            h = w - 8 if w > 56 else w + 8
+            h = w - 8 if w > 48 else w + 8
         return self.draw(name, colour, shape, w, h, _pick(rng, BACKGROUNDS))
 
     def generated(self, rng: np.random.Generator, name: str, colour: str, shape: str, aspect: str) -> Drawn:
-        # The requested aspect ratio, scaled down to a long edge of 64-96 px.
+        # The requested aspect ratio, scaled down to a long edge of 48-64 px (4-16 image tokens).
         a, b = (int(x) for x in aspect.split(":"))
-        edge = int(rng.integers(64, 97))
+        edge = int(rng.integers(48, 65))
         w, h = (edge, max(16, edge * b // a)) if a >= b else (max(16, edge * a // b), edge)
         return self.draw(name, colour, shape, w, h, _pick(rng, BACKGROUNDS))
 
@@ -349,13 +360,8 @@ def _choose_issue(rng: np.random.Generator, options: dict[str, float]) -> str:
     return names[int(rng.choice(len(names), p=w / w.sum()))]
 
 
-def _system(rng: np.random.Generator) -> dict:
-    return {"role": "system", "content": _pick(rng, SYSTEM_PROMPTS)}
-
-
 def _subject(colour: str, shape: str, rng: np.random.Generator) -> str:
-    return _pick(rng, ("a {c} {s} on a plain background", "a simple {c} {s}, plain background",
-                       "flat {c} {s} icon on a plain background")).format(c=colour, s=shape)
+    return _pick(rng, ("a {c} {s}", "{c} {s}", "{c} {s} icon")).format(c=colour, s=shape)
 
 
 # ---------------------------------------------------------------- scenarios: tool calls
@@ -369,18 +375,16 @@ def _build_generate(rng: np.random.Generator, k: int, images: ImageWriter) -> Pr
     res_part = f", {spec.resolution}" if says_res else ""
     drawn: list[Drawn] = []
     if has_ref:
-        ref = images.reference(rng, f"ref_{k}", spec.colour, spec.shape)
+        ref = images.reference(rng, f"{_folder(k)}/ref", spec.colour, spec.shape)
         drawn.append(ref)
-        text = _pick(rng, ("Make {n} like this reference (same colour and shape){r}, aspect ratio {a}.",
-                           "Use this picture as the reference: {n}, same colour and shape{r}, {a}.")
+        text = _pick(rng, ("Make {n} like this{r}, {a}.", "{n} like this one{r}, {a}.")
                      ).format(n=_plural(spec.count), r=res_part, a=spec.aspect)
         user = {"role": "user", "content": [{"type": "image", "image": ref.path}, {"type": "text", "text": text}]}
     else:
-        text = _pick(rng, ("Please make {n} of a {c} {s} on a plain background{r}, aspect ratio {a}.",
-                           "I need {n}: a {c} {s}{r}, {a}.")
+        text = _pick(rng, ("Make {n} of a {c} {s}{r}, {a}.", "I need {n}: a {c} {s}{r}, {a}.")
                      ).format(n=_plural(spec.count), c=spec.colour, s=spec.shape, r=res_part, a=spec.aspect)
         user = {"role": "user", "content": text}
-    messages = [_system(rng), user]
+    messages = [user]
     tools = _tool_subset(rng, ["generate_image"], n_total=1)
 
     def respond(r: np.random.Generator, fail: bool, j: int, _n: int) -> Judged:
@@ -429,17 +433,14 @@ def _build_followup(rng: np.random.Generator, k: int, images: ImageWriter) -> Pr
     # follow the image, not the text).
     produced_colour = spec.colour if rng.random() < 0.75 else _other(rng, tuple(COLOURS), spec.colour)
     produced_shape = spec.shape if rng.random() < 0.85 else _other(rng, SHAPES, spec.shape)
-    gen = images.generated(rng, f"gen_{k}_0", produced_colour, produced_shape, spec.aspect)
-    w, h = _dims(spec.resolution, spec.aspect)
-    messages = [_system(rng),
-                {"role": "user", "content": f"Make a {spec.colour} {spec.shape}, {spec.resolution}, aspect ratio {spec.aspect}."},
-                {"role": "assistant", "content": _pick(rng, ("Generating it now.", "On it."))},
-                _tool_message(rng, "generate_image", {"status": "ok", "count": 1, "images": [
-                    {"image": gen.path, "width": w, "height": h}]})]
-    if rng.random() < 0.5:
-        messages.append({"role": "assistant", "content": "Here is the result."})
-
+    stem, wrong_stem = _stems(rng, 2)
+    gen = images.generated(rng, f"{_folder(k)}/{stem}", produced_colour, produced_shape, spec.aspect)
     variations = rng.random() < 0.25
+    # The first request states only what a later call reuses (the aspect ratio of "same aspect
+    # ratio"): its other values would be distractors for the edit's values.
+    first = f"Make a {spec.colour} {spec.shape}" + (f", {spec.aspect}." if variations else ".")
+    messages = [{"role": "user", "content": first},
+                _tool_message(rng, "generate_image", {"status": "ok", "count": 1, "images": [{"image": gen.path}]})]
     n_ops = 1 if variations or rng.random() < 0.7 else 2
     op_names = list(OPS)
     chosen = [op_names[i] for i in rng.permutation(len(op_names))[:n_ops]] if not variations else []
@@ -500,8 +501,7 @@ def _build_followup(rng: np.random.Generator, k: int, images: ImageWriter) -> Pr
                         plan[i] = (op, _other(r, OPS[op][2], v))
                         reason = f"{OPS[op][1].replace('_', ' ')} is {plan[i][1]} but the user asked for {v}"
                     else:
-                        other_k = _other_prompt(r, n_prompts, k)
-                        image = f"images/gen_{other_k}_0.png"
+                        image = f"images/p{k}/{wrong_stem}.png"
                         reason = f"edits {image}, which is not the image in this conversation"
                         consistency = "bad"
                 elif issue == "wrong_tool":
@@ -529,14 +529,11 @@ def _asked_phrase(op: str) -> str:
 # ---------------------------------------------------------------- scenarios: text replies
 
 
-def _delivery_text(rng: np.random.Generator, n: int, colour: str, shape: str, res: str, aspect: str,
-                   fname: str) -> str:
-    w, h = _dims(res, aspect)
+def _delivery_text(rng: np.random.Generator, n: int, colour: str, shape: str, res: str, fname: str) -> str:
     return _pick(rng, (
-        "Done: {n} of a {c} {s} at {r} ({w}x{h}), aspect ratio {a}. File: {f}.",
-        "All set. I made {n} of a {c} {s}, {r} ({w}x{h}), {a}; see {f}.",
-        "Here you go: {n}, a {c} {s} at {r} ({w}x{h}) in {a}. First file: {f}.",
-    )).format(n=_plural(n), c=colour, s=shape, r=res, w=w, h=h, a=aspect, f=fname)
+        "Done: {n} of a {c} {s} at {r}. File: {f}.",
+        "Here you go: {n}, a {c} {s}, {r}. See {f}.",
+    )).format(n=_plural(n), c=colour, s=shape, r=res, f=fname)
 
 
 def _build_delivery(rng: np.random.Generator, k: int, images: ImageWriter) -> Prompt:
@@ -544,23 +541,21 @@ def _build_delivery(rng: np.random.Generator, k: int, images: ImageWriter) -> Pr
     spec = _spec(rng, counts=(1, 2))
     # The tool sometimes returns fewer/more images than asked; k_real stays uniform on {1, 2}
     # so a claimed count is no cue by itself.
-    k_real = spec.count if rng.random() < 0.75 else 3 - spec.count
-    gens = [images.generated(rng, f"gen_{k}_{i}", spec.colour, spec.shape, spec.aspect) for i in range(k_real)]
-    w, h = _dims(spec.resolution, spec.aspect)
-    messages = [_system(rng),
-                {"role": "user", "content": f"Please make {_plural(spec.count)} of a {spec.colour} {spec.shape}, "
-                                            f"{spec.resolution}, aspect ratio {spec.aspect}."},
-                {"role": "assistant", "content": _pick(rng, ("Working on it.", "Generating now."))},
+    k_real = spec.count if rng.random() < 0.9 else 3 - spec.count
+    stems = _stems(rng, 3)
+    gens = [images.generated(rng, f"{_folder(k)}/{stems[i]}", spec.colour, spec.shape, spec.aspect) for i in range(k_real)]
+    messages = [{"role": "user", "content": f"Make {_plural(spec.count)} of a {spec.colour} {spec.shape}, "
+                                            f"{spec.resolution}, {spec.aspect}."},
                 _tool_message(rng, "generate_image", {"status": "ok", "count": k_real, "images": [
-                    {"image": g.path, "width": w, "height": h} for g in gens]})]
+                    {"image": g.path} for g in gens]})]
     tools = _tool_subset(rng, ["generate_image"], n_total=1)
-    own_file = f"gen_{k}_0.png"
+    own_file = f"{stems[0]}.png"
 
     def respond(r: np.random.Generator, fail: bool, j: int, n_prompts: int) -> Judged:
         claim = {"count": k_real, "colour": spec.colour, "shape": spec.shape, "resolution": spec.resolution,
-                 "aspect": spec.aspect, "file": own_file}
+                 "file": own_file}
         issue, consistency = None, "ok"
-        reason = f"note matches the tool result: {_plural(k_real)}, {spec.resolution}, {spec.aspect}"
+        reason = f"note matches the tool result: {_plural(k_real)}, {spec.resolution}"
         if fail:
             issue = _choose_issue(r, {"false_completion_claim": 0.3, "contradicts_request_or_tool_result": 0.45,
                                       "text_hallucination": 0.25})
@@ -568,32 +563,27 @@ def _build_delivery(rng: np.random.Generator, k: int, images: ImageWriter) -> Pr
                 claim["count"] = 3 - k_real
                 reason = f"claims {_plural(claim['count'])} but the tool result shows {k_real}"
             elif issue == "contradicts_request_or_tool_result":
-                slot = _pick(r, ("resolution", "aspect", "colour", "shape"))
-                pool = {"resolution": RESOLUTIONS, "aspect": ASPECTS, "colour": tuple(COLOURS), "shape": SHAPES}[slot]
+                slot = _pick(r, ("resolution", "colour", "shape"))
+                pool = {"resolution": RESOLUTIONS, "colour": tuple(COLOURS), "shape": SHAPES}[slot]
                 claim[slot] = _other(r, pool, claim[slot])
                 reason = f"note says {claim[slot]} but the request and result say {getattr(spec, slot)}"
                 if slot in ("colour", "shape"):
                     consistency = "bad"
             else:
-                claim["file"] = f"gen_{_other_prompt(r, n_prompts, k)}_0.png"
+                claim["file"] = f"{stems[2]}.png"   # never among the k_real <= 2 returned
                 reason = f"cites {claim['file']}, which no tool result returned"
-        text = _delivery_text(r, claim["count"], claim["colour"], claim["shape"], claim["resolution"],
-                              claim["aspect"], claim["file"])
+        text = _delivery_text(r, claim["count"], claim["colour"], claim["shape"], claim["resolution"], claim["file"])
         return Judged({"content": text, "tool_calls": []}, Verdict(fail, issue, reason, consistency))
 
-    ref_reply = _delivery_text(rng, k_real, spec.colour, spec.shape, spec.resolution, spec.aspect, own_file)
+    ref_reply = _delivery_text(rng, k_real, spec.colour, spec.shape, spec.resolution, own_file)
     return Prompt(f"p{k}", messages, tools, gens, respond, reference_reply=ref_reply)
-
-
-_CLARIFY_OPTIONS = {"resolution": "1K, 2K or 4K", "aspect": "1:1, 16:9, 9:16, 4:3 or 3:4",
-                    "count": "1 to 4"}
 
 
 def _clarify_text(rng: np.random.Generator, slot: str) -> str:
     return _pick(rng, (
-        "Quick question before I start: which {w} do you want ({o})?",
-        "Before I generate: what {w} should I use? Options: {o}.",
-    )).format(w=SLOT_WORDS[slot], o=_CLARIFY_OPTIONS[slot])
+        "Which {w} do you want?",
+        "What {w} should I use?",
+    )).format(w=SLOT_WORDS[slot])
 
 
 def _build_clarify(rng: np.random.Generator, k: int, images: ImageWriter) -> Prompt:
@@ -605,13 +595,13 @@ def _build_clarify(rng: np.random.Generator, k: int, images: ImageWriter) -> Pro
     bits = [b for s, b in (("resolution", spec.resolution), ("aspect", f"aspect ratio {spec.aspect}")) if s != missing]
     drawn: list[Drawn] = []
     if has_ref:
-        ref = images.reference(rng, f"ref_{k}", spec.colour, spec.shape)
+        ref = images.reference(rng, f"{_folder(k)}/ref", spec.colour, spec.shape)
         drawn.append(ref)
-        text = f"Make {n_part} like this reference, " + ", ".join(bits) + "."
+        text = f"Make {n_part} like this, " + ", ".join(bits) + "."
         user = {"role": "user", "content": [{"type": "image", "image": ref.path}, {"type": "text", "text": text}]}
     else:
         user = {"role": "user", "content": f"Make {n_part} of a {spec.colour} {spec.shape}, " + ", ".join(bits) + "."}
-    messages = [_system(rng), user]
+    messages = [user]
     tools = _tool_subset(rng, ["generate_image"], n_total=1)
 
     def respond(r: np.random.Generator, fail: bool, j: int, _n: int) -> Judged:
@@ -629,10 +619,8 @@ def _build_clarify(rng: np.random.Generator, k: int, images: ImageWriter) -> Pro
 
 def _refuse_text(rng: np.random.Generator) -> str:
     return _pick(rng, (
-        f"Sorry, I can make at most {MAX_COUNT} images per request, so I can't do all of them at once. "
-        f"I can make {MAX_COUNT} now and the rest in a second round. Shall I go ahead?",
-        f"That is more than the {MAX_COUNT} images one request allows. I can start with {MAX_COUNT} now "
-        f"and do the rest next; is that OK?",
+        f"Sorry, one request makes at most {MAX_COUNT} images. I can make {MAX_COUNT} now and the rest next; OK?",
+        f"That is over the limit of {MAX_COUNT} images. Shall I start with {MAX_COUNT} now?",
     ))
 
 
@@ -644,15 +632,15 @@ def _build_refuse(rng: np.random.Generator, k: int, images: ImageWriter, fail_ra
     n = int(rng.integers(1, MAX_COUNT + 1)) if fail else int(rng.integers(MAX_COUNT + 1, 2 * MAX_COUNT + 1))
     has_ref = rng.random() < 0.3
     drawn: list[Drawn] = []
-    tail = f"{spec.resolution}, aspect ratio {spec.aspect}."
+    tail = f"{spec.resolution}, {spec.aspect}."
     if has_ref:
-        ref = images.reference(rng, f"ref_{k}", spec.colour, spec.shape)
+        ref = images.reference(rng, f"{_folder(k)}/ref", spec.colour, spec.shape)
         drawn.append(ref)
         user = {"role": "user", "content": [{"type": "image", "image": ref.path},
-                                            {"type": "text", "text": f"Make {_plural(n)} like this reference, {tail}"}]}
+                                            {"type": "text", "text": f"Make {_plural(n)} like this, {tail}"}]}
     else:
         user = {"role": "user", "content": f"Make {_plural(n)} of a {spec.colour} {spec.shape}, {tail}"}
-    messages = [_system(rng), user]
+    messages = [user]
     tools = _tool_subset(rng, ["generate_image"], n_total=1)
 
     def respond(r: np.random.Generator, _fail: bool, j: int, _n: int) -> Judged:
@@ -670,8 +658,8 @@ def _build_refuse(rng: np.random.Generator, k: int, images: ImageWriter, fail_ra
 
 def _correction_text(rng: np.random.Generator, slot: str, new, old) -> str:
     return _pick(rng, (
-        "Sorry about that. I'll use {new} instead of {old} for the {w}. Shall I regenerate it?",
-        "Got it: {w} {new}, not {old}. Want me to redo the image now?",
+        "Sorry, I'll use {new} instead of {old} for the {w}. Redo it?",
+        "Got it: {w} {new}, not {old}. Redo it now?",
     )).format(w=SLOT_WORDS[slot], new=new, old=old)
 
 
@@ -683,18 +671,15 @@ def _build_correction(rng: np.random.Generator, k: int, images: ImageWriter) -> 
     new = getattr(spec, slot)
     old = _other(rng, pool, new)
     done = dataclasses.replace(spec, **{slot: old})
-    messages = [_system(rng),
-                {"role": "user", "content": f"Make a {spec.colour} {spec.shape}, {spec.resolution}, aspect ratio {spec.aspect}."},
-                {"role": "assistant", "content": "Generating now."}]
+    messages = [{"role": "user", "content": f"Make a {spec.colour} {spec.shape}, {spec.resolution}, {spec.aspect}."}]
     drawn: list[Drawn] = []
-    w, h = _dims(done.resolution, done.aspect)
     if rng.random() < 0.5:
-        g = images.generated(rng, f"gen_{k}_0", done.colour, done.shape, done.aspect)
+        g = images.generated(rng, f"{_folder(k)}/{_stems(rng, 1)[0]}", done.colour, done.shape, done.aspect)
         drawn.append(g)
         messages.append(_tool_message(rng, "generate_image", {"status": "ok", "count": 1, "images": [
-            {"image": g.path, "width": w, "height": h}]}))
+            {"image": g.path}]}))
     else:
-        messages.append(_tool_message(rng, "generate_image", {"status": "ok", "count": 1, "width": w, "height": h}))
+        messages.append(_tool_message(rng, "generate_image", {"status": "ok", "count": 1}))
     messages.append({"role": "assistant",
                      "content": f"Here is a {done.colour} {done.shape} at {done.resolution}, {done.aspect}."})
     messages.append({"role": "user", "content": _pick(rng, (

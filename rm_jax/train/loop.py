@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rm_jax.data import loader as loader_lib
-from rm_jax.data import value_swap
+from rm_jax.data import seen_tokens, value_swap
 from rm_jax.model import registry
 from rm_jax.model.config import RuntimeOptions
 from rm_jax.model.decode import verdict_probabilities
@@ -108,6 +108,9 @@ def build_model(cfg, mesh):
                                  runtime=mcfg.runtime, expert_layout=cfg.train.get("init_expert_layout") or None)
         return model, mcfg
     model = registry.init_model(mcfg, seed=int(cfg.seed))
+    if float(cfg.train.get("mimetic_qk_gain", 0.0)):
+        from rm_jax.model import mimetic_init
+        mimetic_init.apply(model, float(cfg.train.mimetic_qk_gain))
     state = nnx.state(model)
     shardings = param_shardings(state, mesh)
     nnx.update(model, jax.tree.map(lambda v, s: jax.device_put(v, s.get_value() if hasattr(s, "get_value") else s),
@@ -119,15 +122,18 @@ def build_model(cfg, mesh):
 def step_config(cfg, manifest: dict | None = None) -> StepConfig:
     """``manifest``: the data's, which the swapped-value term needs (the verdict token ids)."""
     t = cfg.train
-    value_weight = float(t.get("value_check_weight", 0.0))
+    # The swapped-value and seen-token terms share the per-position loss (one of them at a time).
+    seen_weight = float(t.get("seen_check_weight", 0.0))
+    value_weight = float(t.get("value_check_weight", 0.0)) or seen_weight
+    value_tokens = int(t.get("seen_check_tokens", 64)) if seen_weight else int(t.get("value_check_tokens", 32))
     value_ids = (0, 0)
     if value_weight:
         tokens = (manifest or {}).get("verdict_tokens")
         if not tokens:
-            raise ValueError("train.value_check_weight needs the data manifest's verdict_tokens")
+            raise ValueError("train.value_check_weight / seen_check_weight need the data manifest's verdict_tokens")
         value_ids = (int(tokens["fail_id"]), int(tokens["pass_id"]))
     return StepConfig(loss=LossConfig(int(t.max_target_tokens), int(t.vocab_chunk)),
-                      value_weight=value_weight, value_tokens=int(t.get("value_check_tokens", 32)),
+                      value_weight=value_weight, value_tokens=value_tokens,
                       value_ids=value_ids,
                       lb_coef=float(cfg.moe.lb_coef), z_coef=float(cfg.moe.z_coef),
                       expert_grad_dtype=str(t.get("expert_grad_dtype", "")),
@@ -164,6 +170,10 @@ class ValueCheck:
     rate: float
     tokens: int
     seed: int
+    # A swapped value contradicts what the response copied it from, so the swapped example is a
+    # failure: with ``fail_id`` its verdict token is trained as fail (the reason and the rest of
+    # its target stay dropped: they describe the unswapped response). None: the whole target drops.
+    fail_id: int | None = None
 
     @classmethod
     def from_config(cls, cfg, manifest: dict) -> "ValueCheck | None":
@@ -182,14 +192,58 @@ class ValueCheck:
         if not rows:
             raise ValueError("train.value_check_weight: the data has no value classes (no tool-call argument "
                              "takes two or more single-token values), so there is nothing to swap")
-        return cls(value_swap.ValueClasses.from_json(rows), rate, n, int(cfg.seed))
+        fail_id = None
+        if bool(t.get("value_check_verdict", False)):
+            fail_id = int(manifest["verdict_tokens"]["fail_id"])
+        return cls(value_swap.ValueClasses.from_json(rows), rate, n, int(cfg.seed), fail_id)
 
     def apply(self, b: dict, step: int, micro_index: int) -> tuple[dict, np.ndarray]:
         """A loader batch with its swaps applied (swapped rows lose their target) and its labels."""
         got = value_swap.swap_batch(b, self.classes, self.rate, (self.seed, step, micro_index),
                                     row_offset=jax.process_index() * len(b["label"]), max_positions=self.tokens)
         target = np.where(got.swapped[:, None], 0, b["target_mask"]).astype(b["target_mask"].dtype)
-        return {**b, "input_ids": got.input_ids, "target_mask": target}, got.value_target
+        ids = got.input_ids
+        if self.fail_id is not None:
+            rows = np.flatnonzero(got.swapped & (b["verdict_pos"] >= 0))
+            pos = b["verdict_pos"][rows]
+            ids[rows, pos] = self.fail_id
+            target[rows, pos] = 1
+        return {**b, "input_ids": ids, "target_mask": target}, got.value_target
+
+
+@dataclasses.dataclass(frozen=True)
+class SeenCheck:
+    """The host side of the seen-token term (train.seen_check_*, rm_jax.data.seen_tokens): every
+    judged response's first ``tokens`` tokens labelled by whether they occur before it."""
+    tokens: int
+    skip_ids: np.ndarray
+    only_ids: np.ndarray | None = None    # the value classes' tokens (train.seen_check_values_only)
+    cumulative: bool = False              # train.seen_check_cumulative
+
+    @classmethod
+    def from_config(cls, cfg, manifest: dict) -> "SeenCheck | None":
+        t = cfg.train
+        if not float(t.get("seen_check_weight", 0.0)):
+            return None
+        if float(t.get("value_check_weight", 0.0)):
+            raise ValueError("train.seen_check_weight and train.value_check_weight share the per-position "
+                             "loss; set one of them")
+        n = int(t.get("seen_check_tokens", 64))
+        if n <= 0:
+            raise ValueError(f"train.seen_check_tokens={n}: must be > 0")
+        special = [manifest.get("pad_id", 0), manifest.get("eos_id", 0), manifest.get("image_pad_id", 0)]
+        only = None
+        if bool(t.get("seen_check_values_only", False)):
+            rows = manifest.get("value_classes")
+            if not rows:
+                raise ValueError("train.seen_check_values_only: the shards record no value classes; rebuild them")
+            only = np.asarray(sorted({int(x) for c in rows for x in c}), np.int32)
+        return cls(n, np.asarray(sorted(set(int(x) for x in special)), np.int32), only,
+                   bool(t.get("seen_check_cumulative", False)))
+
+    def apply(self, b: dict, step: int, micro_index: int) -> tuple[dict, np.ndarray]:
+        del step, micro_index   # the labels are a function of the batch alone
+        return b, seen_tokens.seen_targets(b, self.tokens, self.skip_ids, self.only_ids, self.cumulative)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +295,7 @@ def context_mask(b: dict, n_tokens: int, image_token_id: int, passing_only: bool
 
 
 def assemble(mcfg, micro: list[dict], frame_capacity: int,
-             weights: TokenWeights = TokenWeights(), value_check: ValueCheck | None = None,
+             weights: TokenWeights = TokenWeights(), value_check: ValueCheck | SeenCheck | None = None,
              step: int = 0) -> HostBatch:
     """Loader batches (numpy) -> one StepBatch with a leading accumulation axis. ``step``: the
     step the batch trains (the swapped-value term's draws are a function of it, for resume)."""
@@ -369,7 +423,8 @@ def run(cfg, workdir: str, *, cluster_line: str = "single process", progress: bo
     for key in ("log_every", "checkpoint_every", "eval_every"):
         if int(t[key]) < 0:
             raise ValueError(f"train.{key}={t[key]}: must be >= 0 (0 = only at the last step)")
-    value_check = ValueCheck.from_config(cfg, manifest)    # refuses shards without value classes early
+    # refuses shards without value classes early
+    value_check = SeenCheck.from_config(cfg, manifest) or ValueCheck.from_config(cfg, manifest)
     if t.init_from:
         adopt_init_config(cfg)
     mesh = make_mesh(cfg.mesh, num_experts=int(cfg.model.text_config.num_experts), global_batch=plan.micro_batch)
