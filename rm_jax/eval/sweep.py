@@ -161,20 +161,22 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
     chosen = per_step[choice.step]
     chosen_samples, chosen_results = scored_pairs(heldout, chosen.results)
     rewards = reward_records(chosen_samples, chosen_results, reward)
-    reward_val = reward_report(rewards)
+    # None when no held-out sample has a P(pass) at the chosen step (a reason-first judge that never
+    # wrote the verdict slot): the sweep still reports every row, with n_unscored saying why.
+    reward_val = reward_report(rewards) if rewards else None
     baseline = shortcut_baseline(splits["train"], heldout)
 
     labels = [s.label.l3 for s in chosen_samples]
     p_pass = [r.p_pass for r in chosen_results]
-    plot_paths = {
-        "sweep": plots.plot_sweep(rows, choice.step, os.path.join(workdir, "plots", "sweep_metrics.png")),
-        "reliability": plots.plot_reliability(labels, p_pass,
-                                              os.path.join(workdir, "plots", f"reliability_step{choice.step}.png")),
-        "p_pass_hist": plots.plot_p_pass_hist(labels, p_pass,
-                                              os.path.join(workdir, "plots", f"p_pass_hist_step{choice.step}.png")),
-        "reward_hist": plots.plot_reward_hist(labels, [r["reward"] for r in rewards],
-                                              os.path.join(workdir, "plots", f"reward_hist_step{choice.step}.png")),
-    }
+    plot_paths = {"sweep": plots.plot_sweep(rows, choice.step, os.path.join(workdir, "plots", "sweep_metrics.png"))}
+    if chosen_samples:
+        plot_dir = os.path.join(workdir, "plots")
+        plot_paths["reliability"] = plots.plot_reliability(
+            labels, p_pass, os.path.join(plot_dir, f"reliability_step{choice.step}.png"))
+        plot_paths["p_pass_hist"] = plots.plot_p_pass_hist(
+            labels, p_pass, os.path.join(plot_dir, f"p_pass_hist_step{choice.step}.png"))
+        plot_paths["reward_hist"] = plots.plot_reward_hist(
+            labels, [r["reward"] for r in rewards], os.path.join(plot_dir, f"reward_hist_step{choice.step}.png"))
     out = to_jsonable({
         "workdir": os.path.abspath(workdir), "data": os.path.abspath(data_dir), "n_heldout": len(heldout),
         "rule": rule.describe(), "rows": [dataclasses.asdict(r) for r in rows],
@@ -216,7 +218,9 @@ def format_sweep_markdown(out: dict, rows: Sequence[SweepRow], choice) -> str:
                          f"{_fmt(m['auc_vs_pass'], '{:.3f}')} |")
     lines += ["", f"Parse failures: {_fmt(c.get('parse_failure_rate'))}; mean off-vocab mass at the slot: "
               f"{_fmt(c.get('mean_off_vocab_mass'), '{:.4f}')}.", "", "## Reward validation (chosen step)", "",
-              format_markdown(out["reward_validation"]), "", "## Shortcut baseline", "",
+              format_markdown(out["reward_validation"]) if out["reward_validation"] else
+              "No held-out sample has a P(pass) at the chosen step (all unscored): nothing to validate.",
+              "", "## Shortcut baseline", "",
               f"Logistic regression on response length/format features only: held-out AUC "
               f"{_fmt(out['shortcut_baseline'].get('auc'), '{:.3f}')} (near 0.5 = the labels do not leak "
               f"through surface features)."]
