@@ -90,7 +90,7 @@ def train_config() -> ml_collections.ConfigDict:
         init_from="",                # HF checkpoint dir of the policy; "" = random init (embedded default)
         init_expert_layout="",       # its fused-expert layout when the shapes cannot tell (H == 2I): published | transformers
         steps=0,                     # 0: derive from epochs
-        epochs=0.679,                # the demo's 10k samples: 550 steps: 6-7 min on 2 CPU cores, ~9 when this host runs slow
+        epochs=0.679,                # ~600 steps on 10k samples (launch.demo passes its own --train_steps)
         global_batch=16,
         grad_accum=1,
         # A random-init tiny model needs far more than the 5e-6 of a real SFT start: 3e-3 gave held-out
