@@ -71,6 +71,7 @@ def get_config() -> ml_collections.ConfigDict:
     cfg.data.image.min_pixels = 256 * 32 * 32
     cfg.data.tool_contract = judge_contracts.TOOL_CALL_CONTRACT      # the report's full judge contracts
     cfg.data.text_contract = judge_contracts.TEXT_ONLY_CONTRACT
+    cfg.data.tools_listing = "template"     # the tool schemas as the policy's chat template lists them
     cfg.train.update(dict(lr=5e-6, global_batch=32, grad_accum=4, epochs=2.0, warmup_steps=50,
                           dtype="bfloat16", param_dtype="float32", mu_dtype="bfloat16", remat="full",
                           nu_dtype="bfloat16", expert_grad_dtype="bfloat16", expert_accum_dtype="bfloat16",

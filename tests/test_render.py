@@ -237,3 +237,8 @@ def test_tools_listing_signatures_template_and_none(sample_dir, renderer):
     assert prompt.startswith("<|im_start|>system\nYou are an image agent.\n\n# Tools\nchange_aspect_ratio(aspect_ratio)<|im_end|>")
     with pytest.raises(ValueError, match="tools_listing"):
         RenderConfig(tool_contract="t", text_contract="x", tools_listing="yaml")
+    # Real judges read the schemas as their policy did, with the full contracts (not the tiny ones).
+    from configs import judge_contracts, qwen3_5_35b_a3b, qwen3_vl_30b_a3b
+    for real in (qwen3_vl_30b_a3b.get_config(), qwen3_5_35b_a3b.get_config()):
+        assert real.data.tools_listing == "template"
+        assert real.data.tool_contract == judge_contracts.TOOL_CALL_CONTRACT
