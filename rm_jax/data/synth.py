@@ -237,7 +237,7 @@ def _stems(rng: np.random.Generator, n: int) -> list[str]:
 
 
 def _folder(k: int) -> str:
-    """A prompt's image folder, its number in letters (``p12`` -> ``bm``): no digit in a path can be
+    """A prompt's image folder, its number in letters (prompt 38 -> ``bm``): no digit in a path can be
     read as a count."""
     letters = ""
     while True:
