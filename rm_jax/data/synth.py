@@ -501,7 +501,7 @@ def _build_followup(rng: np.random.Generator, k: int, images: ImageWriter) -> Pr
                         plan[i] = (op, _other(r, OPS[op][2], v))
                         reason = f"{OPS[op][1].replace('_', ' ')} is {plan[i][1]} but the user asked for {v}"
                     else:
-                        image = f"images/p{k}/{wrong_stem}.png"
+                        image = f"images/{_folder(k)}/{wrong_stem}.png"
                         reason = f"edits {image}, which is not the image in this conversation"
                         consistency = "bad"
                 elif issue == "wrong_tool":

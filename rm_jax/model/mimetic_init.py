@@ -28,23 +28,23 @@ def apply(model: nnx.Module, gain: float = 1.0) -> int:
     query heads share their kv head's) and scales the q/k norm weights by ``gain``. Returns the
     number of attention blocks changed (the vision tower is left as it is)."""
     state = nnx.state(model)
-    flat = {_path_str(p): (p, v) for p, v in jax.tree_util.tree_flatten_with_path(state)[0]}
+    flat = {_path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(state)[0]}
     changed = 0
     updates = {}
-    for name, (_, wq) in flat.items():
+    for name, wq in flat.items():
         if not name.startswith("decoder/") or "/attn/wq_dnh" not in name:
             continue
         prefix = name.split("/attn/")[0] + "/attn/"
-        wk = flat[prefix + "wk_dkh/value"][1]
+        wk = flat[prefix + "wk_dkh/value"]
         n_heads, n_kv = wq.shape[-2], wk.shape[-2]
         updates[name] = wk.repeat(n_heads // n_kv, axis=-2).astype(wq.dtype)
         for norm in ("q_norm", "k_norm"):
             key = prefix + f"{norm}/weight/value"
-            updates[key] = flat[key][1] * gain
+            updates[key] = flat[key] * gain
         changed += 1
     if not changed:
         raise ValueError("mimetic init: the model has no decoder attention weights (wq_dnh / wk_dkh)")
-    leaves = [updates.get(name, v) for name, (_, v) in flat.items()]
+    leaves = [updates.get(name, v) for name, v in flat.items()]
     treedef = jax.tree_util.tree_structure(state)
     nnx.update(model, jax.tree_util.tree_unflatten(treedef, leaves))
     return changed
