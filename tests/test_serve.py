@@ -268,6 +268,12 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, http, raw_sam
     too_many = http.post("/v1/score", json={"samples": [raw_samples["p0-s0"]] * (MAX_QUEUE + 1)})
     assert too_many.status_code == 413 and "max_queue" in too_many.text
     assert http.post("/v1/score", json={"samples": []}).json() == {"results": []}
+    # NaN / Infinity literals parse in Python; the 422 that echoes them must still be JSON
+    for path, body in (("/v1/score", b'{"samples": [], "mode": NaN}'),
+                       ("/get_reward", b'{"query": [Infinity], "prompts": ["a"], "labels": ["{}"]}'),
+                       ("/v1/chat/completions", b'{"model": "m", "messages": [], "temperature": NaN}')):
+        r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 422 and r.json()["detail"], (path, r.text)
     assert http.get("/healthz").json()["status"] == "ok"
 
 

@@ -3,7 +3,8 @@
 * ``GET /healthz``, ``GET /v1/models``, ``POST /v1/chat/completions`` (OpenAI-compatible),
   ``POST /v1/score`` (launch.score rows), ``POST /get_reward`` (OpenRLHF), ``GET /metrics``.
 * **Bad input is the client's**: a body that does not parse or match the request model gets 422
-  with the failing field (FastAPI's validation), an oversized body 413, a chat prompt the model
+  with the failing field (FastAPI's validation; a ``NaN``/``Infinity`` literal it echoes is sent
+  as a string), an oversized body 413, a chat prompt the model
   cannot take 400; a bad *sample* inside a valid request is that sample's ``{id, error}`` row (and
   on ``/get_reward`` the gate reward), never a failed request.
 * **Guard middleware** (plain ASGI, outermost): the bearer key (every route but ``/healthz``,
@@ -23,6 +24,8 @@ import time
 import uuid
 
 from fastapi import FastAPI, HTTPException
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -122,6 +125,22 @@ def _finite(x, default: float = 0.0) -> float:
     return float(x) if x is not None and isinstance(x, (int, float)) and math.isfinite(x) else default
 
 
+def _json_safe(x):
+    """``x`` with every non-finite float as its string: Python's JSON parser takes ``NaN`` and
+    ``Infinity`` literals, and a 422 that echoes them back must still serialize."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+async def _validation_error(_request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
+
+
 def create_app(engine, settings: ServeSettings) -> FastAPI:
     """``engine``: an ``rm_jax.serve.engine.Engine`` (loaded; its device calls run on the worker)."""
     metrics = ServerMetrics.create()
@@ -145,6 +164,7 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
             await asyncio.to_thread(batcher.stop)
 
     app = FastAPI(title="rm_jax judge", lifespan=lifespan)
+    app.add_exception_handler(RequestValidationError, _validation_error)
     app.state.engine, app.state.batcher, app.state.metrics = engine, batcher, metrics
     created = int(time.time())
 
