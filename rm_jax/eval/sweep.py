@@ -163,14 +163,14 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
     rewards = reward_records(chosen_samples, chosen_results, reward)
     # None when no held-out sample has a P(pass) at the chosen step (a reason-first judge that never
     # wrote the verdict slot): the sweep still reports every row, with n_unscored saying why.
-    reward_val = reward_report(rewards) if rewards else None
+    reward_val = reward_report(rewards) if chosen_samples else None
     baseline = shortcut_baseline(splits["train"], heldout)
 
     labels = [s.label.l3 for s in chosen_samples]
     p_pass = [r.p_pass for r in chosen_results]
-    plot_paths = {"sweep": plots.plot_sweep(rows, choice.step, os.path.join(workdir, "plots", "sweep_metrics.png"))}
+    plot_dir = os.path.join(workdir, "plots")
+    plot_paths = {"sweep": plots.plot_sweep(rows, choice.step, os.path.join(plot_dir, "sweep_metrics.png"))}
     if chosen_samples:
-        plot_dir = os.path.join(workdir, "plots")
         plot_paths["reliability"] = plots.plot_reliability(
             labels, p_pass, os.path.join(plot_dir, f"reliability_step{choice.step}.png"))
         plot_paths["p_pass_hist"] = plots.plot_p_pass_hist(
