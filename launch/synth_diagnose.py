@@ -35,7 +35,8 @@ def _words(value) -> list[str]:
 
 def copy_match(sample: dict) -> tuple[float, float]:
     """(share of response values seen in the conversation, ... in the conversation or schemas)."""
-    conv = set(_words([m.get("content") for m in sample["messages"][1:]]))
+    # Every turn but a system prompt: the user's request carries the values a call must copy.
+    conv = set(_words([m["content"] for m in sample["messages"] if m["role"] != "system"]))
     listed = conv | set(_words(sample["tools"]))
     resp = sample["response"]
     values = [w for w in _words([resp["content"], [c["function"]["arguments"] for c in resp["tool_calls"]]])

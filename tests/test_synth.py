@@ -441,3 +441,15 @@ def test_copy_match_diagnostic():
     assert listed == 1.0                         # the full schema's enum names 4:3 too
     sample["tools"] = [synth.listed_schema(synth.TOOLS["generate_image"])]
     assert copy_match(sample)[1] == pytest.approx(3 / 4)
+
+
+def test_copy_match_reads_the_request_without_a_system_prompt():
+    """The synthetic conversations open with the user's request (no system turn): it is read."""
+    from launch.synth_diagnose import copy_match
+    call = {"id": "c", "type": "function", "function": {"name": "generate_image", "arguments": {
+        "prompt": "a red star", "count": 2}}}
+    sample = {"messages": [{"role": "user", "content": "I need 2 images: a red star."}],
+              "tools": [], "response": {"content": None, "tool_calls": [call]}}
+    assert copy_match(sample) == (1.0, 1.0)
+    sample["messages"][0]["content"] = "I need 3 images: a blue circle."
+    assert copy_match(sample) == (0.0, 0.0)
