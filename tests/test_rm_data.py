@@ -115,8 +115,9 @@ def test_benchmark_readers(tmp_path):
                           "subset": "Focus"},
                          {"id": "2", "prompt": "q", "chosen": ["ok"], "rejected": ["a", "much longer", "c"],
                           "subset": "Focus"},
-                         {"id": "3", "prompt": "q", "chosen": ["tie one", "tie two"], "rejected": ["t"],
-                          "subset": "Ties"}],
+                         {"id": "tied:3", "prompt": "q", "chosen": ["tie one", "tie two"], "rejected": ["t"],
+                          "subset": "Ties"},
+                         {"id": "3", "prompt": "q", "chosen": ["a"], "rejected": ["b"], "subset": "Ties"}],
         "vl_rewardbench": [{"id": "1", "query": "what?", "image": "img.png", "response": ["short", "a long one"],
                             "human_ranking": [1, 0]},
                            {"id": "2", "query": "what?", "image": "missing.png", "response": ["a", "b"],
@@ -128,7 +129,7 @@ def test_benchmark_readers(tmp_path):
                            {"id": "3", "Text": "q", "Image": "img.png", "Output1": "a", "Output2": "b", "Better": "3"}],
     }
     _png(tmp_path / "img.png")
-    expect = {"rewardbench": (3, 1, 2 / 3, 0.5), "rewardbench2": (3, 0, 2 / 3, 2 / 3),
+    expect = {"rewardbench": (3, 1, 2 / 3, 0.5), "rewardbench2": (3, 1, 2 / 3, 2 / 4),
               "vl_rewardbench": (1, 1, 1.0, 0.5), "mm_rewardbench": (2, 1, 0.5, 1 / 3)}
     for fmt, data in rows.items():
         path = tmp_path / f"{fmt}.jsonl"
@@ -150,5 +151,59 @@ def test_benchmark_readers(tmp_path):
     res = benchmarks.accuracy("rewardbench", items, [], score)
     assert res["by_subset"] == {"chat": {"accuracy": 0.5, "n": 2}, "math": {"accuracy": 1.0, "n": 1}}
     assert res["subset_mean"] == pytest.approx(0.75)
+    _, failures = benchmarks.read("rewardbench2", str(tmp_path / "rewardbench2.jsonl"))
+    assert [f["reason"] for f in failures] == ["bad_ties_id"]
     vl, _ = benchmarks.read("vl_rewardbench", str(tmp_path / "vl_rewardbench.jsonl"))
     assert vl[0].samples[0].images and vl[0].chosen == [1]
+
+
+def _item(rid, subset, n_chosen, n_rejected):
+    return benchmarks.BenchItem(rid, subset, [None] * (n_chosen + n_rejected), list(range(n_chosen)),
+                                list(range(n_chosen, n_chosen + n_rejected)))
+
+
+def test_rewardbench_sections_weight_by_leaderboard_counts():
+    """Each section is its subsets' accuracies weighted by the leaderboard's example counts (math-prm
+    at 984, as much as the six code subsets); the score is the mean of the four sections."""
+    rng = np.random.default_rng(0)
+    acc = {s: float(rng.uniform()) for s in benchmarks.RB1_EXAMPLE_COUNTS}
+    got = benchmarks.rewardbench_sections(acc | {"shp": 0.0})
+    hep = [s for s in acc if s.startswith("hep-")]
+    reasoning = (984 * acc["math-prm"] + 164 * sum(acc[s] for s in hep)) / (984 + 164 * 6)
+    assert got["sections"]["Reasoning"] == pytest.approx(reasoning)
+    assert got["sections"]["Reasoning"] == pytest.approx(0.5 * acc["math-prm"] + 0.5 * np.mean([acc[s] for s in hep]))
+    chat = ["alpacaeval-easy", "alpacaeval-length", "alpacaeval-hard", "mt-bench-easy", "mt-bench-med"]
+    w = np.asarray([100, 95, 95, 28, 40])
+    assert got["sections"]["Chat"] == pytest.approx(float(np.dot(w, [acc[s] for s in chat]) / w.sum()))
+    assert got["score"] == pytest.approx(np.mean(list(got["sections"].values())))
+    assert got["outside_sections"] == ["shp"]                       # a prior set: never in the score
+    partial = benchmarks.rewardbench_sections({"math-prm": 1.0, "hep-go": 0.0})
+    assert partial["sections"] == {"Reasoning": pytest.approx(984 / (984 + 164))} and np.isnan(partial["score"])
+    # through accuracy(): a plain subset mean differs from the weighted section
+    items = [_item(f"{s}{k}", s, 1, 1) for s, n in (("math-prm", 1), ("hep-go", 3)) for k in range(n)]
+    rewards = {"math-prm": [1.0, 0.0], "hep-go": [0.0, 1.0]}
+    res = benchmarks.accuracy("rewardbench", items, [], lambda xs: np.concatenate(
+        [rewards[it.subset] for it in items]))
+    assert res["subset_mean"] == pytest.approx(0.5)
+    assert res["leaderboard"]["sections"]["Reasoning"] == pytest.approx(984 / 1148)
+
+
+def test_rewardbench2_ties_score_by_hand():
+    """Two prompts, each as ref (1 correct, 2 wrong) and tied (2 correct, 2 wrong)."""
+    items = [_item("ref:0", "Ties", 1, 2), _item("tied:0", "Ties", 2, 2),
+             _item("ref:1", "Ties", 1, 2), _item("tied:1", "Ties", 2, 2), _item("f", "Focus", 1, 3)]
+    r = [np.array([3.0, 1.0, 0.5]),            # ref gap 2
+         np.array([5.0, 4.0, 2.0, 1.0]),       # tied: spread 1, gap 2
+         np.array([1.0, 2.0, 0.0]),            # ref wrong: gap -1
+         np.array([3.0, 2.5, 2.0, 0.0]),       # tied: spread 0.5, gap 0.5
+         np.array([1.0, 0.0, 0.5, 2.0])]       # Focus wrong
+    res = benchmarks.accuracy("rewardbench2", items, [], lambda xs: np.concatenate(r))
+    t = res["ties"]
+    assert (t["ref_accuracy"], t["tied_accuracy"]) == (0.5, 1.0)
+    # tied gap > spread: prompt 0 (2 > 1) yes, prompt 1 (0.5 > 0.5) no; with min(ref, tied) gap: 0 yes, 1 no
+    assert (t["correctness_preferred"], t["correctness_preferred_hard"]) == (0.5, 0.5)
+    margin = np.mean([np.tanh(2 / 1 - 1), np.tanh(-1 / 0.5 - 1)])
+    assert t["correctness_margin_score"] == pytest.approx(margin)
+    assert t["score"] == pytest.approx(0.3 * 1.0 + 0.3 * 0.5 + 0.2 * 0.5 + 0.2 * 0.5 + 0.01 * margin)
+    assert res["subset_scores"] == {"Focus": 0.0, "Ties": pytest.approx(t["score"])}
+    assert res["score"] == pytest.approx(t["score"] / 2)
