@@ -32,6 +32,8 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 
+from tokenizers import AddedToken
+
 from configs import tiny
 
 EOS_TOKEN = "<|im_end|>"
@@ -104,6 +106,8 @@ TEMPLATE_TEXTS = (TOOLS_HEADER, TOOLS_FOOTER, "<tool_call>\n{\"name\": \"", "\",
                   "[assistant]\n", "[user]\n", "[system]\n", "[tool: generate_image]\n", "[tool: unknown]\n",
                   "status: ok, images: [{image: ", ", width: ", ", height: ", "}]\n")
 TEMPLATE_WEIGHT = 64
+# Added tokens that are not special (skip_special_tokens keeps them), as in Qwen's tokenizers.
+PLAIN_ADDED_TOKENS = ("<tool_call>", "</tool_call>")
 
 
 def train_bpe(corpus_texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str]):
@@ -151,9 +155,12 @@ def write_tokenizer_dir(out_dir: str, corpus_texts: Iterable[str], vocab_size: i
         if got != i:
             raise AssertionError(f"special token {t!r} has id {got}, expected {i}")
 
+    # Qwen's tokenizers add the tool-call tags as plain (non-special) added tokens: clients that
+    # decode with skip_special_tokens=True (TRL, verl) must still see a policy's calls. Same ids.
+    raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in PLAIN_ADDED_TOKENS])
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=raw, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-        additional_special_tokens=[t for t in specials if t not in (EOS_TOKEN, PAD_TOKEN)],
+        additional_special_tokens=[t for t in specials if t not in (EOS_TOKEN, PAD_TOKEN, *PLAIN_ADDED_TOKENS)],
         clean_up_tokenization_spaces=False, model_max_length=8192)
     fast.chat_template = CHAT_TEMPLATE
     os.makedirs(out_dir, exist_ok=True)
@@ -165,6 +172,9 @@ def write_tokenizer_dir(out_dir: str, corpus_texts: Iterable[str], vocab_size: i
     for i, t in enumerate(specials):
         if loaded.convert_tokens_to_ids(t) != i:
             raise AssertionError(f"reloaded tokenizer: {t!r} is not id {i}")
+    for t in PLAIN_ADDED_TOKENS:
+        if t in loaded.all_special_tokens:
+            raise AssertionError(f"reloaded tokenizer: {t!r} is special; Qwen's tokenizers add it as a plain token")
     if len(loaded) > max_vocab:
         raise AssertionError(f"tokenizer has {len(loaded)} entries > {max_vocab}")
     p = loaded("pass", add_special_tokens=False)["input_ids"]
