@@ -77,5 +77,5 @@ def get_config() -> ml_collections.ConfigDict:
     # admits (<= 128): "auto" picks XLA's attention on GPU and logs why, rather than failing.
     cfg.train.attention = "auto"
     # Memory: the 30B recipe's grad_accum=4 and bf16 expert grads/accumulator, unchanged
-    # (benchmarks/memory_plan.py --model=qwen3_5_35b_a3b; WORKSPACE.md's 35B table).
+    # (benchmarks/memory_plan.py --model=qwen3_5_35b_a3b; docs/operations.md's 35B table).
     return cfg

@@ -3,7 +3,7 @@
 Sizes are those of the published ``config.json`` (transformers' Qwen3VLMoeConfig keys), so
 ``ModelConfig.from_hf_dict(model_config())`` builds the same model ``load_hf`` reads from the
 checkpoint. Only the model section differs from configs/tiny.py; data, mesh and MoE settings are
-the tiny ones with an 8-GPU single-host mesh (FSDP-only experts, DESIGN §3).
+the tiny ones with an 8-GPU single-host mesh (FSDP-only experts, docs/operations.md "Meshes").
 
 Usage: --config=configs/qwen3_vl_30b_a3b.py
 """

@@ -33,7 +33,7 @@ _CONFIG = flags.DEFINE_string("config", DEFAULT_CONFIG, "config file for every s
 _TRAIN_STEPS = flags.DEFINE_integer("train_steps", 1000, "override train.steps (0 = the config's epochs)")
 _POLICY_STEPS = flags.DEFINE_integer("policy_steps", 300, "policy SFT steps (0 = judge from random init)")
 # 0 keeps the config's x3 (the report's recipe). 1 (an unshifted stream) was measured worse here:
-# held-out AUC 0.546 at 500 steps, P(pass) stuck at the prior (WORKSPACE.md, issue 16).
+# held-out AUC 0.546 at 500 steps, P(pass) stuck at the prior (docs/experiments/, issue 16).
 _OVERSAMPLE = flags.DEFINE_integer("oversample_fail", 0, "data.oversample_fail for the judge's stream (0 = the config's)")
 _SCORE_N = flags.DEFINE_integer("score_n", 64, "rows of the input scored by the score stage")
 _SWEEP_MAX = flags.DEFINE_integer("sweep_max_samples", 700, "held-out samples the sweep scores per checkpoint (0 = all)")

@@ -20,7 +20,7 @@ import sys
 
 from absl import app, flags, logging
 
-_INPUT = flags.DEFINE_string("input", None, "samples JSONL (DESIGN §4 contract; labels optional)", required=True)
+_INPUT = flags.DEFINE_string("input", None, "samples JSONL (docs/contracts.md; labels optional)", required=True)
 _OUT = flags.DEFINE_string("out", None, "output JSONL (appended; rerun resumes)", required=True)
 _ENDPOINT = flags.DEFINE_multi_string("endpoint", None, "teacher base_url, e.g. http://127.0.0.1:8000/v1 "
                                       "(repeat for shards)", required=True)

@@ -23,7 +23,7 @@ from absl import app, flags, logging
 
 from launch.common import DEFAULT_CONFIG, REPO_ROOT, define_config_flag
 
-_INPUT = flags.DEFINE_string("input", None, "samples JSONL (DESIGN §4 contract)", required=True)
+_INPUT = flags.DEFINE_string("input", None, "samples JSONL (docs/contracts.md)", required=True)
 _OUT = flags.DEFINE_string("out", None, "stage directory", required=True)
 _TOKENIZER = flags.DEFINE_string("tokenizer", "", "tokenizer dir (default: <input folder>/tokenizer)")
 _STEPS = flags.DEFINE_integer("steps", 400, "policy training steps")
@@ -76,7 +76,7 @@ def main(argv):
     out = os.path.abspath(_OUT.value)
     input_path = os.path.abspath(_INPUT.value)
     if not os.path.isfile(input_path):
-        raise app.UsageError(f"--input={_INPUT.value}: no such file (a samples JSONL, DESIGN §4)")
+        raise app.UsageError(f"--input={_INPUT.value}: no such file (a samples JSONL, docs/contracts.md)")
     config_path = os.path.abspath(flags.FLAGS["config"].config_filename)
     overrides = config_overrides(sys.argv[1:])
     cfg = _CONFIG.value

@@ -1,4 +1,4 @@
-"""Build scalar-RM pair data from a preference JSONL (README, "Preference contract").
+"""Build scalar-RM pair data from a preference JSONL (docs/contracts.md, "Preference contract").
 
   python -m launch.rm_build --input=FILE --out=DIR [--config=configs/rm_tiny.py --tokenizer=DIR]
 

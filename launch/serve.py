@@ -3,7 +3,7 @@
   python -m launch.serve --workdir=W [--step=N] [--host=127.0.0.1] [--port=8000] [--max_batch=32]
                          [--max_wait_ms=10] [--max_queue=1024] [--image_root=DIR] [--api_key_file=F]
 
-Endpoints (DESIGN §4): GET /healthz, POST /v1/score, POST /get_reward, POST /v1/chat/completions,
+Endpoints (docs/contracts.md): GET /healthz, POST /v1/score, POST /get_reward, POST /v1/chat/completions,
 GET /v1/models, GET /metrics. Without --step the sweep's chosen step is used (else the latest).
 It binds loopback by default; any other --host needs --api_key_file (clients then send
 "Authorization: Bearer <key>"). SIGTERM stops accepting connections, answers the requests in

@@ -11,7 +11,7 @@ Design choices:
   the constraints we place, which is what the logical-rules style expects. Passing them explicitly
   keeps the behaviour identical across jax 0.10 (CPU here) and jax >= 0.11 (GPU hosts), whose
   defaults differ.
-* The ``expert`` axis also shards the batch outside MoE layers (DESIGN §3), so an EP=8 mesh still
+* The ``expert`` axis also shards the batch outside MoE layers (docs/operations.md, "Meshes"), so an EP=8 mesh still
   uses all eight devices for attention.
 * A mesh that does not match the device count, or an expert count the ``expert`` axis does not
   divide, fails at start with a message naming the numbers that disagree. The field report lost

@@ -264,7 +264,7 @@ def test_bf16_second_moment_tracks_fp32_adam():
     assert all(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(s16[1][0].nu))
     for a, b in zip(jax.tree.leaves(p32), jax.tree.leaves(p16)):
         moved = np.abs(np.asarray(a) - np.asarray(params["w"] if a.shape == (16, 24) else params["b"])).max()
-        # measured: 0.21% (w) and 0.22% (b) of the largest movement; WORKSPACE.md quotes it
+        # measured: 0.21% (w) and 0.22% (b) of the largest movement; docs/operations.md quotes it
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=0.003 * moved)
     with pytest.raises(ValueError, match="b2"):
         optim.make_optimizer(optim.OptimConfig(b2=0.999, nu_dtype="bfloat16"), params)

@@ -1,4 +1,4 @@
-"""The sample contract (DESIGN §4): JSONL lines -> typed, validated records.
+"""The sample contract (docs/contracts.md): JSONL lines -> typed, validated records.
 
 Every later stage (build, scoring, labelling) reads samples through `read_samples`, so a bad
 row is rejected once, here, with a reason that names the line, the id when known, and the

@@ -4,7 +4,7 @@ Every failure the judge must find is a value in the response that disagrees with
 tool result or an image, and on the text side the primitive under all of them is *presence*: does
 this token of the response occur in the conversation before it? A small judge trained from the
 verdict alone gets one bit per sample for that, and forms the lookup late or not at all
-(WORKSPACE.md, issue 16). This labels every token of the judged response, in every example, with
+(docs/experiments/, issue 16). This labels every token of the judged response, in every example, with
 that primitive: 1 where the token does not occur in the input before the response, 0 where it
 does. The labels come from the input ids alone (no teacher, no swap), so real data has them too.
 

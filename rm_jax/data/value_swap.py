@@ -2,7 +2,7 @@
 
 A judge decides a tool call by comparing each of its argument values with the request, a tool
 result or an image. From the verdict alone that is one bit per sample for several values at once,
-and a small judge does not learn *which* value to check (WORKSPACE.md, issue 16: the readout over
+and a small judge does not learn *which* value to check (docs/experiments/, issue 16: the readout over
 several repeated values). Given a label at each value's own position, the same model learns every
 comparison, and then reads them out at the verdict slot, within a few hundred steps.
 

@@ -8,7 +8,7 @@ through form (e.g. every failing response is a double-encoded JSON string, or lo
 judge would learn the shortcut instead of the task — its own AUC would then be inflated by the
 same amount. `feature_auc` names the leaking feature: each single feature's held-out AUC.
 
-The split must be grouped by prompt_id by the caller (DESIGN §3) — the build step's split is.
+The split must be grouped by prompt_id by the caller (docs/contracts.md, prompt_id) — the build step's split is.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Judge metrics on a held-out set (DESIGN §4: `judge_metrics`).
+"""Judge metrics on a held-out set (docs/contracts.md, "Python API": `judge_metrics`).
 
 What is measured and why:
 

@@ -1,4 +1,4 @@
-"""Checkpoint selection by a declared rule (DESIGN §3, "Checkpoint selection follows downstream use").
+"""Checkpoint selection by a declared rule (docs/operations.md, "Runbook": Sweep).
 
 The sweep evaluates every saved step on the held-out split and must pick one. Validation loss is
 the wrong criterion for a reward model: in the field report it bottomed at step 1100 while the

@@ -3,7 +3,7 @@
 A randomly initialized head attends almost uniformly, so a head that should match a token with the
 same token earlier in the context (the primitive under every comparison a judge makes: is this
 call value the one the request stated?) gets a gradient diluted by the context length, and a small
-model on a small data set forms it late or never (WORKSPACE.md, issue 16). Mimetic initialization
+model on a small data set forms it late or never (docs/experiments/, issue 16). Mimetic initialization
 starts W_Q W_K^T near the identity, as trained attention layers are: each query head's projection
 starts equal to its key head's, so at step 0 a token already attends to earlier copies of itself
 (through the rotary frequencies slow enough to survive the distance). ``gain`` scales the q/k

@@ -38,7 +38,7 @@ Design choices:
   ``psum_scatter`` sums the partial outputs while handing each rank back its own tokens. Two
   bandwidth-optimal collectives with static shapes and no capacity: unlike an all-to-all
   dispatch it cannot drop tokens and needs no per-step size exchange. ``ragged_all_to_all`` is
-  an experiment, not a default (DESIGN §3).
+  an experiment, not a default (docs/operations.md, "Meshes").
 * **Tensor parallelism** splits the expert intermediate dim over ``tensor`` (logical ``mlp``);
   partial down-projections are summed with one ``psum``.
 * **"dense"** evaluates every expert on every token: E/k times the FLOPs, but no sorting,

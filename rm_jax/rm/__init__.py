@@ -1,1 +1,1 @@
-"""The classic scalar Bradley–Terry reward model on the judge's backbone (README, "Scalar reward model")."""
+"""The classic scalar Bradley–Terry reward model on the judge's backbone (docs/operations.md, "Scalar reward model")."""

@@ -1,4 +1,4 @@
-"""The composite reward for GRPO (DESIGN §3 "Reward", field report §2.4 and §8).
+"""The composite reward for GRPO (docs/contracts.md, "Choosing, scoring and serving"; field report §2.4 and §8).
 
     reward = rule_score
            + w_p      * (2 * P(pass) - 1)      # judge's P(pass) mapped to [-1, +1]

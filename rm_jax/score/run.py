@@ -40,7 +40,7 @@ def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None
     from rm_jax.score.scorer import Scorer
 
     if not os.path.isfile(input_path):      # before the checkpoint loads, not after
-        raise FileNotFoundError(f"--input={input_path}: no such file (a samples JSONL, DESIGN §4)")
+        raise FileNotFoundError(f"--input={input_path}: no such file (a samples JSONL, docs/contracts.md)")
     cfg, renderer = renderer_for(workdir, tokenizer)
     model, _, used_step = load_judge(workdir, step)
     rows: list[dict | None] = []

@@ -1,4 +1,4 @@
-"""Request and response bodies of the HTTP API (DESIGN §4), as pydantic models.
+"""Request and response bodies of the HTTP API (docs/contracts.md), as pydantic models.
 
 FastAPI validates requests against these and answers 422 with the failing field's location when
 a body does not match. Samples stay plain JSON objects here: the sample contract has its own

@@ -1,4 +1,4 @@
-"""The FastAPI app: routes of DESIGN §4 over one ``Engine`` and its ``Batcher``.
+"""The FastAPI app: routes of docs/contracts.md ("HTTP API") over one ``Engine`` and its ``Batcher``.
 
 * ``GET /healthz``, ``GET /v1/models``, ``POST /v1/chat/completions`` (OpenAI-compatible),
   ``POST /v1/score`` (launch.score rows), ``POST /get_reward`` (OpenRLHF), ``GET /metrics``.
