@@ -21,8 +21,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", "WORKSPACE.md", "docs/contracts.md", "docs/operations.md", "docs/architecture.md"] + sorted(
     f"docs/experiments/{f}" for f in os.listdir(os.path.join(REPO, "docs", "experiments")) if f.endswith(".md"))
 
-# `python -m launch.train --flag=... \` up to the end of the code span, table cell or shell line.
-COMMAND = re.compile(r"python -m ((?:launch|benchmarks)\.[a-z0-9_]+)((?:[^`|\n]|\\\n)*)")
+# `python -m launch.train --flag=... \` up to the end of the code span, table cell (`\|` is a pipe
+# inside one) or shell line.
+COMMAND = re.compile(r"python -m ((?:launch|benchmarks)\.[a-z0-9_]+)((?:\\\||\\\n|[^`|\n])*)")
 FLAG = re.compile(r"(?<![\w-])--([A-Za-z_][\w.]*)")
 # Documented entry points still being written (issue 36); remove each once its module lands.
 PENDING_MODULES = {"launch.select"}
