@@ -39,9 +39,9 @@ from rm_jax.label.contracts import IMAGE_CONTRACT, VERDICT_CONTRACTS
 from rm_jax.label.replies import parse_image_score, parse_verdict
 from rm_jax.label.request import TEACHER_GUARD, build_requests, request_images
 from rm_jax.label.run import LabelSettings, label_file
+from rm_jax.label.standin import StandinTeacher
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 UNREACHABLE = "http://127.0.0.1:9/v1"     # discard port: any request would fail the test's counts
 
 
@@ -131,6 +131,17 @@ def test_routing_contracts_and_the_training_transcript(many_images):
     assert '{"name": "edit_image", "arguments": {"image": "images/i8.png", "mask": "images/missing.png"}}' in tool_flat
     text_flat = "".join(p.get("text", "") for p in build_requests(text, 64, False).verdict.messages[1]["content"])
     assert "<|im_end|>" not in text_flat and "<\u200b|im_end|>" in text_flat   # policy text cannot end the turn
+
+
+def test_the_labeller_needs_no_model_code():
+    """The teacher guard covers every control token of the judge's tokenizer, and the labeller
+    imports no jax/model code (a streaming run's memory is mostly its imports)."""
+    from configs import tiny
+    assert set(tiny.SPECIAL_TOKENS) <= set(TEACHER_GUARD.tokens)
+    code = "import sys, launch.label, rm_jax.label.run; print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    assert res.returncode == 0 and res.stdout.strip() == "[]", (res.stdout, res.stderr[-2000:])
 
 
 def test_reply_parsing():
@@ -233,7 +244,7 @@ def test_bad_rows_are_rejected_with_the_build_reasons(tmp_path):
     assert out.read_text() == ""
 
 
-def test_resume_skips_labelled_ids_and_refuses_a_foreign_folder(tmp_path):
+def test_resume_skips_labelled_ids_and_holds_one_labeller_per_out(tmp_path):
     d = tmp_path / "data"
     samples = synth.generate(synth.SynthConfig(n=12, seed=4), str(d))
     inp = d / "samples.jsonl"
@@ -251,8 +262,6 @@ def test_resume_skips_labelled_ids_and_refuses_a_foreign_folder(tmp_path):
     assert stats["by_route"]["tool_call"]["labelled"] == n_tool
     stats = label_file(str(inp), str(out), _settings(limit=11))
     assert (stats["read"], stats["labelled"], stats["failed"]) == (11, 11, 0)
-    with pytest.raises(ValueError, match="not in the folder"):
-        label_file(str(inp), str(tmp_path / "elsewhere.jsonl"), _settings())
     held = store.RunLock(str(out))          # another labeller on the same OUT
     try:
         with pytest.raises(ValueError, match="another labeller"):
@@ -260,6 +269,185 @@ def test_resume_skips_labelled_ids_and_refuses_a_foreign_folder(tmp_path):
     finally:
         held.release()
     assert label_file(str(inp), str(out), _settings(limit=11))["labelled"] == 11
+
+
+# ================================================================ streaming, folders, URLs (stand-in teacher)
+
+
+@pytest.fixture(scope="module")
+def standin():
+    """The instant stand-in teacher over real HTTP (uvicorn on loopback): the labeller's own
+    behaviour (streaming, paths) does not depend on what the teacher thinks."""
+    with StandinTeacher() as teacher:
+        yield teacher
+
+
+def _standin_settings(teacher, **kw) -> LabelSettings:
+    return LabelSettings(**dict(dict(endpoints=(teacher.base_url,), model=teacher.model, progress=False,
+                                     thumbnail_edge=32, policy=client_lib.RetryPolicy(max_retries=0, timeout_s=30)),
+                                **kw))
+
+
+def test_rows_are_read_as_workers_free_up(tmp_path, standin):
+    """The reader runs ahead of the finished results by at most the workers and their queue
+    (memory bounded by concurrency), and every row still ends labelled exactly once."""
+    import asyncio
+    from rm_jax.label.rebase import ImageRebase
+    from rm_jax.label.run import Tally, _label_stream, read_tasks
+
+    d = tmp_path / "data"
+    samples = synth.generate(synth.SynthConfig(n=60, seed=5), str(d))
+    inp = d / "samples.jsonl"
+    inp.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    out = d / "labels.jsonl"
+    settings = _standin_settings(standin, concurrency=3)
+    tally = Tally()
+    ahead = []
+
+    def counted():
+        for item in read_tasks(str(inp), ImageRebase(str(d), str(d))):
+            finished = tally.labelled_this_run + sum(tally.failed.values()) + sum(tally.rejected.values())
+            ahead.append(tally.read - finished)
+            yield item
+
+    writers = [store.JsonlAppender(p) for p in (str(out), store.errors_path(str(out)), store.rejects_path(str(out)))]
+    try:
+        asyncio.run(_label_stream(counted(), None, store.ExistingOutput({}, 0), settings, tally, *writers))
+    finally:
+        for w in writers:
+            w.close()
+    n_workers = 3
+    assert tally.read == tally.labelled_this_run == 60
+    assert max(ahead) <= 2 * n_workers + 1, ahead       # in flight + queued + the one being handed over
+    assert max(ahead) >= n_workers                      # and the workers did run concurrently
+    assert sorted(_ids(out)) == sorted(s["id"] for s in samples)
+
+
+def _image_strings_of(row: dict) -> list[str]:
+    """Every image reference a row names (parts, tool-result fields, call arguments), in order."""
+    from rm_jax.data.schema import decode_arguments
+    from rm_jax.data.tool_content import parse_tool_content
+    found = []
+    for m in row["messages"]:
+        if isinstance(m["content"], list):
+            found += [p["image"] for p in m["content"] if p["type"] == "image"]
+        elif m["role"] == "tool":
+            found += list(parse_tool_content(m["content"]).images)
+    for c in row["response"].get("tool_calls") or []:
+        args, _, _ = decode_arguments(c["function"]["arguments"])
+        found += [v for v in args.values() if isinstance(v, str) and v.endswith(".png")]
+    return found
+
+
+def test_out_in_another_folder_rewrites_image_paths_and_builds(tmp_path, standin, renderer, tiny_cfg, synth_dir):
+    """OUT in another folder: relative image paths are rewritten against OUT's folder (parts,
+    double-encoded tool results, call arguments, alike), URLs, data URIs and absolute paths are
+    kept, and the labelled file builds from where it is."""
+    from rm_jax.data import build
+    from rm_jax.data.render import judge_chat
+    from rm_jax.label.contracts import TEACHER_RENDER
+
+    d = tmp_path / "data"
+    samples = synth.generate(synth.SynthConfig(n=16, seed=4), str(d))
+    _png(d / "images" / "photo.png", (32, 24), (200, 40, 40))      # small: the tiny judge's 320 tokens hold 5
+    absolute = tmp_path / "abs.png"
+    _png(absolute, (24, 32), (40, 200, 40))
+    tiny_uri = "data:image/png;base64," + base64.b64encode(_png_bytes((20, 20), (9, 9, 200))).decode()
+    extra = {"id": "parts", "prompt_id": "parts", "messages": [
+        {"role": "user", "content": [{"type": "image", "image": "images/photo.png"},
+                                     {"type": "image_url", "image_url": {"url": "./images/photo.png"}},
+                                     {"type": "image", "image": str(absolute)},
+                                     {"type": "image", "image": tiny_uri},
+                                     {"type": "image", "image": "https://cdn.example.com/a/photo.png"},
+                                     {"type": "text", "text": "edit images/photo.png please"}]},
+        {"role": "tool", "tool_call_id": "t1", "content": json.dumps(json.dumps(
+            {"status": "ok", "images": [{"image": "images/photo.png"}, {"image": "gs://bucket/x.png"}]}))}],
+        "response": {"content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "edit_image", "arguments": json.dumps({"image": "images/photo.png", "ref": "s3://b/y.png"})}}]},
+        "label": {"l3": "pass", "reason": "", "issues": [], "img": 5}}
+    rows = samples + [extra]
+    inp = d / "samples.jsonl"
+    inp.write_text("".join(json.dumps(s) + "\n" for s in rows))
+    out = tmp_path / "labelled" / "run1" / "labels.jsonl"
+    stats = label_file(str(inp), str(out), _standin_settings(standin))
+    assert (stats["read"], stats["labelled"], stats["failed"], stats["rejected"]) == (17, 17, 0, 0)
+
+    got = {r["id"]: r for r in map(json.loads, open(out))}
+    moved = json.loads(json.dumps(extra))
+    # What a user would write by hand: each relative path named from the new folder.
+    moved["messages"][0]["content"][0]["image"] = "../../data/images/photo.png"
+    moved["messages"][0]["content"][1]["image_url"]["url"] = "../../data/images/photo.png"
+    row = got["parts"]
+    assert row["messages"][0]["content"] == moved["messages"][0]["content"]      # abs, data URI, URL, text kept
+    tool_value = json.loads(json.loads(row["messages"][1]["content"]))           # still encoded twice
+    assert tool_value == {"status": "ok", "images": [{"image": "../../data/images/photo.png"},
+                                                     {"image": "gs://bucket/x.png"}]}
+    assert json.loads(row["response"]["tool_calls"][0]["function"]["arguments"]) == {
+        "image": "../../data/images/photo.png", "ref": "s3://b/y.png"}
+    for s in samples:    # one path, one new name: a call still names the file its tool returned
+        rel = [p for p in _image_strings_of(s)]
+        assert _image_strings_of(got[s["id"]]) == [os.path.join("../../data", p) for p in rel]
+
+    # The rows resolve from OUT's folder to the very files the input named.
+    inputs = {x.id: x for x in schema.read_samples(str(inp), require_label=False)}
+    outputs = list(schema.read_samples(str(out)))
+    assert all(isinstance(x, schema.Sample) for x in outputs) and len(outputs) == 17
+    for x in outputs:
+        refs_in = judge_chat(inputs[x.id], TEACHER_RENDER)[1]
+        refs_out = judge_chat(x, TEACHER_RENDER)[1]
+        assert [r.source for r in refs_out] == [r.source for r in refs_in]
+    assert len(judge_chat(inputs["parts"], TEACHER_RENDER)[1]) == 5     # 2 parts + abs + data URI + tool field
+
+    result = build.build(str(out), str(tmp_path / "shards"), renderer, build.BuildOptions.from_config(tiny_cfg.data),
+                         tokenizer_dir=os.path.join(synth_dir, "tokenizer"), progress=False)
+    assert (result.stats["read"], result.stats["rejected"]) == (17, 0), result.stats["rejected_by_reason"]
+
+
+def _png_bytes(size, colour) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_a_url_is_never_read_as_a_path(tmp_path, standin):
+    """Remote image references reach the teacher as `[image: URL]` text, as build and score show
+    them to the judge: never fetched, never resolved against a folder, never a missing file."""
+    (tmp_path / "images").mkdir()
+    _png(tmp_path / "images" / "local.png", (90, 60), (30, 30, 220))
+    url_only = {"id": "u1", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+                                     {"type": "text", "text": "make it blue"}]},
+        {"role": "tool", "content": json.dumps({"images": [{"image": "gs://bucket/cat_blue.png"}]})}],
+        "response": {"content": "Here it is: https://example.com/cat_blue.png", "tool_calls": []}}
+    mixed = {"id": "u2", "messages": [
+        {"role": "user", "content": [{"type": "image", "image": "images/local.png"},
+                                     {"type": "image", "image": "HTTPS://example.com/b.jpg"}]}],
+        "tools": [{"type": "function", "function": {"name": "edit_image", "parameters": {"type": "object"}}}],
+        "response": {"content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "edit_image", "arguments": {"image": "https://example.com/b.jpg"}}}]}}
+    s1 = schema.parse_sample(url_only, line=1, base_dir=str(tmp_path), require_label=False)
+    r1 = build_requests(s1, 64, image_head=True)
+    flat = "".join(p.get("text", "") for p in r1.verdict.messages[1]["content"])
+    assert "[image: https://example.com/cat.png]" in flat and "[image: gs://bucket/cat_blue.png]" in flat
+    assert request_images(r1.verdict.messages) == [] and not r1.has_image and r1.image is None
+    s2 = schema.parse_sample(mixed, line=2, base_dir=str(tmp_path), require_label=False)
+    r2 = build_requests(s2, 64, image_head=True)
+    assert r2.verdict.n_images == r2.image.n_images == 1                    # only the local file is an image
+    head = "".join(p.get("text", "") for p in r2.image.messages[1]["content"])
+    assert "[edit_image.image: https://example.com/b.jpg] (remote image, not fetched)" in head
+    assert "no such image" not in head
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps(url_only) + "\n" + json.dumps(mixed) + "\n")
+    out = tmp_path / "elsewhere" / "out.jsonl"
+    stats = label_file(str(inp), str(out), _standin_settings(standin, image_endpoint=standin.base_url))
+    assert (stats["read"], stats["labelled"], stats["rejected"]) == (2, 2, 0)
+    got = {r["id"]: r for r in map(json.loads, open(out))}
+    assert got["u1"]["messages"] == url_only["messages"] and got["u1"]["label"]["img"] is None
+    assert got["u2"]["messages"][0]["content"][1]["image"] == "HTTPS://example.com/b.jpg"
+    assert got["u2"]["messages"][0]["content"][0]["image"] == "../images/local.png"
+    assert got["u2"]["response"]["tool_calls"][0]["function"]["arguments"] == {"image": "https://example.com/b.jpg"}
+    assert got["u2"]["label_meta"]["image"]["n_images"] == 1
 
 
 # ================================================================ against the real server

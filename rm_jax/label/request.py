@@ -13,6 +13,11 @@ read. Differences, each because the teacher is reached over the OpenAI API:
 * The policy's text is guarded against the Qwen chat control tokens (the teacher's server
   applies its template to our text; a response holding ``<|im_end|>`` must not end the turn).
 
+A remote image URL (``https://``, ``gs://``, ...) reaches the teacher as the text ``[image: URL]``,
+exactly as build and scoring show it to the judge, and is never fetched: a teacher that looked at
+the picture would label evidence the student never sees, and the labels would depend on the
+network. Such a sample counts as having no image (``img`` null), as in the build.
+
 The image head gets every image, in order: the conversation's (message parts and tool results)
 and then those the judged response's tool-call arguments name. The report's first image head
 sent only the first 4 and misjudged samples whose evidence was in images 5-8.
@@ -24,16 +29,21 @@ import dataclasses
 import json
 from typing import Any
 
-from configs import tiny
 from rm_jax.data import images as images_lib
 from rm_jax.data.render import SpecialTokenGuard, judge_chat, route_of
-from rm_jax.data.schema import ImageRef, Sample, SampleError, looks_like_image_ref, resolve_image
+from rm_jax.data.schema import (ImageRef, Sample, SampleError, is_remote_image_ref, looks_like_image_ref,
+                                resolve_image)
 from rm_jax.label.contracts import IMAGE_CONTRACT, TEACHER_RENDER, VERDICT_CONTRACTS, Contract
 
 HEAD_VERDICT = "verdict"
 HEAD_IMAGE = "image"
-# Qwen's control tokens (the teachers are Qwen-family or serve a Qwen template).
-TEACHER_GUARD = SpecialTokenGuard(tokens=tiny.SPECIAL_TOKENS)
+# Qwen's chat control tokens (the teachers are Qwen-family or serve a Qwen template). Named here,
+# not taken from a model config: a labeller needs no model code (importing one costs ~200 MB and
+# seconds per run). The tiny judge's tokenizer registers no token outside this list (tested).
+QWEN_CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                       "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                       "</tool_response>")
+TEACHER_GUARD = SpecialTokenGuard(tokens=QWEN_CONTROL_TOKENS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +119,15 @@ def _image_strings(value: Any, key: str = "") -> list[tuple[str, str]]:
 
 
 def response_images(sample: Sample) -> list[tuple[str, str, ImageRef | None]]:
-    """(call name.argument, as written, resolved ref or None when the file does not exist), in
+    """(call name.argument, as written, resolved ref or None when there is no file to send), in
     order. A missing file is not bad input: the response really named it (a hallucinated
-    reference); the teacher is told it does not exist."""
+    reference); the teacher is told it does not exist. A remote URL is never read as a path."""
     out = []
     for call in sample.response.tool_calls:
         for key, src in _image_strings(call.arguments):
+            if is_remote_image_ref(src):
+                out.append((f"{call.name}.{key}", src, None))
+                continue
             try:
                 ref = resolve_image(src, sample.base_dir, f"response.tool_calls[{call.name}].{key}")
             except SampleError:
@@ -151,7 +164,8 @@ def build_requests(sample: Sample, thumbnail_edge: int, image_head: bool) -> Sam
                 except SampleError:
                     uri = None
             if uri is None:
-                extra.append({"type": "text", "text": label + " (no such image)\n"})
+                missing = " (remote image, not fetched)" if is_remote_image_ref(src) else " (no such image)"
+                extra.append({"type": "text", "text": label + missing + "\n"})
             else:
                 extra.append({"type": "text", "text": label + "\n"})
                 extra.append(_image_part(uri))

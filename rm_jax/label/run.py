@@ -5,28 +5,35 @@ failed (OUT.errors.jsonl: the teacher still failed after the retries; a rerun re
 rejected (OUT.rejects.jsonl: bad input, with the reason the build would give). The stats file
 asserts read = labelled + failed + rejected (+ pending, only for an interrupted run).
 
-Image paths in samples are relative to their JSONL's folder; OUT carries the rows as they were,
-so OUT must sit in the input's folder when rows use relative paths (refused otherwise, before
-any request: the labels would point at images that are not there).
+The job streams: rows are read as workers free up (a queue as deep as the workers are many sits
+between the reader and them), each result is appended as it arrives, and a resume keeps only
+OUT's ids and outcomes. Memory is set by the concurrency, not by the input's size (33k rows with
+inline images: benchmarks/label_load.py).
+
+Image paths in samples are relative to their JSONL's folder; rows are written to OUT with their
+relative image paths rewritten against OUT's folder (rm_jax.label.rebase), so OUT may be written
+anywhere. The teacher is asked about the row as OUT holds it.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import dataclasses
+import itertools
 import json
 import os
 import time
-from typing import Any
+from typing import Iterator
 
 import numpy as np
 
 from rm_jax.data.render import ROUTE_TEXT_ONLY, ROUTE_TOOL_CALL, route_of
-from rm_jax.data.schema import Reject, Sample, read_rows, render_error
-from rm_jax.data.tool_content import parse_tool_content
+from rm_jax.data.schema import Reject, Sample, SampleError, parse_sample, read_rows, render_error
 from rm_jax.label import store
 from rm_jax.label.client import Completion, GenerationSettings, RetryPolicy, TeacherError, TeacherPool
+from rm_jax.label.rebase import ImageRebase
 from rm_jax.label.replies import VerdictReply, parse_image_score, parse_verdict
 from rm_jax.label.request import HEAD_IMAGE, HEAD_VERDICT, SampleRequests, TeacherRequest, build_requests
 
@@ -51,7 +58,7 @@ class LabelSettings:
 @dataclasses.dataclass(frozen=True)
 class Task:
     sample: Sample
-    raw: dict
+    row: dict      # the input row, image paths rebased to OUT's folder: written back with its label
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +110,7 @@ class Tally:
     attempts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     retried_samples: int = 0
     image_declined: int = 0
-    latencies: list[float] = dataclasses.field(default_factory=list)
+    latencies: array.array = dataclasses.field(default_factory=lambda: array.array("d"))   # 8 bytes a sample
 
     def add_labelled(self, route: str, l3: str, this_run: bool) -> None:
         for t in (self.routes, self.run_routes) if this_run else (self.routes,):
@@ -121,32 +128,6 @@ class Tally:
         bits.append(f"errors {sum(self.failed.values())}")
         bits.append(f"rejected {sum(self.rejected.values())}")
         return " | ".join(bits)
-
-
-# ---------------------------------------------------------------- input checks
-
-
-def _relative_image(value: Any) -> bool:
-    return isinstance(value, str) and not value.startswith("data:") and not os.path.isabs(value)
-
-
-def uses_relative_images(raw: dict) -> bool:
-    for m in raw.get("messages") or []:
-        if not isinstance(m, dict):
-            continue
-        content = m.get("content")
-        if isinstance(content, list):
-            for p in content:
-                if isinstance(p, dict):
-                    src = p.get("image")
-                    url = p.get("image_url")
-                    src = src if src is not None else (url.get("url") if isinstance(url, dict) else url)
-                    if _relative_image(src):
-                        return True
-        elif m.get("role") == "tool" and isinstance(content, str):
-            if any(_relative_image(s) for s in parse_tool_content(content).images):
-                return True
-    return False
 
 
 # ---------------------------------------------------------------- one sample
@@ -172,7 +153,7 @@ def _compose(task: Task, reqs: SampleRequests, verdict: Completion[VerdictReply]
                          "attempts": image.attempts, "latency_s": round(image.latency_s, 4),
                          "elapsed_s": round(image.elapsed_s, 4), "n_images": reqs.image.n_images,
                          "declined": image.value is None}
-    row = {k: v_ for k, v_ in task.raw.items() if k not in ("label", "label_meta")}
+    row = {k: v_ for k, v_ in task.row.items() if k not in ("label", "label_meta")}
     row["label"] = label
     row["label_meta"] = meta
     attempts = verdict.attempts + (image.attempts if image is not None else 0)
@@ -209,22 +190,39 @@ async def label_one(task: Task, settings: LabelSettings, verdict_pool: TeacherPo
 # ---------------------------------------------------------------- the job
 
 
-def _read_input(path: str, limit: int | None, tally: Tally) -> tuple[list[Task], list[Reject]]:
-    tasks: list[Task] = []
-    rejects: list[Reject] = []
-    for item, raw in read_rows(path, require_label=False):
-        if limit is not None and tally.read >= limit:
-            break
-        tally.read += 1
+def read_tasks(input_path: str, rebase: ImageRebase) -> Iterator[Task | Reject]:
+    """The input's rows, one at a time, as tasks (rebased to OUT's folder) or rejects."""
+    for item, raw in read_rows(input_path, require_label=False):
         if isinstance(item, Reject):
-            rejects.append(item)
-        else:
-            tasks.append(Task(item, json.loads(raw)))
-    return tasks, rejects
+            yield item
+            continue
+        row = json.loads(raw)
+        if rebase.identity:
+            yield Task(item, row)
+            continue
+        moved = rebase.row(row)
+        try:
+            sample = parse_sample(moved, line=item.line, base_dir=rebase.dst_dir, require_label=False)
+        except SampleError as e:   # the same files by other names: only a rebase bug lands here
+            yield Reject(item.line, item.id, e.reason, f"line {item.line}, id {item.id}, field {e.field} "
+                         f"(image paths rewritten for OUT's folder): {e.detail}")
+            continue
+        yield Task(sample, moved)
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 4) if values else None
+def count_rows(path: str, limit: int | None) -> int:
+    """Non-blank lines (the rows the reader will yield), for the progress bar; one streamed pass."""
+    n = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            n += bool(raw.strip())
+            if limit is not None and n >= limit:
+                break
+    return n
+
+
+def _pct(values, q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 4) if len(values) else None
 
 
 def label_file(input_path: str, out_path: str, settings: LabelSettings) -> dict:
@@ -247,39 +245,23 @@ def label_file(input_path: str, out_path: str, settings: LabelSettings) -> dict:
 
 def _label_file_locked(input_path: str, out_path: str, settings: LabelSettings, t0: float) -> dict:
     tally = Tally()
-    tasks, rejects = _read_input(input_path, settings.limit, tally)
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    same_folder = out_dir == os.path.dirname(os.path.abspath(input_path))
-    if not same_folder and any(uses_relative_images(t.raw) for t in tasks):
-        raise ValueError(f"--out={out_path} is not in the folder of --input={input_path}, whose rows name "
-                         "images by relative paths (resolved against the JSONL's folder): write OUT next "
-                         "to the input")
+    rebase = ImageRebase(os.path.dirname(os.path.abspath(input_path)), os.path.dirname(os.path.abspath(out_path)))
     existing = store.scan_and_repair(out_path)
-    todo: list[Task] = []
-    for t in tasks:
-        done = existing.labelled.get(t.sample.id)
-        if done is None:
-            todo.append(t)
-        else:
-            tally.already_labelled += 1
-            tally.add_labelled(done.route, done.l3, this_run=False)
-    for r in rejects:
-        tally.rejected[r.reason] += 1
+    total = count_rows(input_path, settings.limit) if settings.progress else None
+    items = itertools.islice(read_tasks(input_path, rebase), settings.limit)
 
     out_w = store.JsonlAppender(out_path, "ab")
     err_w = store.JsonlAppender(store.errors_path(out_path), "wb")   # this run's failures
     rej_w = store.JsonlAppender(store.rejects_path(out_path), "wb")
-    for r in rejects:
-        rej_w.write(r.to_json())
     endpoint_stats: dict = {}
     complete = False
     try:
-        endpoint_stats = asyncio.run(_label_all(todo, settings, tally, out_w, err_w, rej_w))
+        endpoint_stats = asyncio.run(_label_stream(items, total, existing, settings, tally, out_w, err_w, rej_w))
         complete = True
     finally:
         for w in (out_w, err_w, rej_w):
             w.close()
-        # Interrupted (Ctrl-C): the rows not reached yet are `pending`; the next run takes them.
+        # Interrupted (Ctrl-C): rows read but not finished are `pending`; the next run takes them.
         done = tally.already_labelled + tally.labelled_this_run + sum(tally.failed.values()) + \
             sum(tally.rejected.values())
         stats = _stats(input_path, out_path, settings, tally, existing, 0 if complete else tally.read - done,
@@ -288,7 +270,8 @@ def _label_file_locked(input_path: str, out_path: str, settings: LabelSettings, 
     return stats
 
 
-async def _label_all(todo: list[Task], settings: LabelSettings, tally: Tally, out_w, err_w, rej_w) -> dict:
+async def _label_stream(items: Iterator[Task | Reject], total: int | None, existing: store.ExistingOutput,
+                        settings: LabelSettings, tally: Tally, out_w, err_w, rej_w) -> dict:
     from tqdm import tqdm
 
     verdict_pool = TeacherPool(list(settings.endpoints), settings.model, concurrency=settings.concurrency,
@@ -300,10 +283,10 @@ async def _label_all(todo: list[Task], settings: LabelSettings, tally: Tally, ou
         image_pool = TeacherPool([settings.image_endpoint], settings.image_model or settings.model,
                                  concurrency=settings.concurrency, policy=settings.policy,
                                  generation=image_gen, api_key=settings.api_key)
-    queue: asyncio.Queue[Task] = asyncio.Queue()
-    for t in todo:
-        queue.put_nowait(t)
-    bar = tqdm(total=len(todo), desc="label", unit="sample", disable=not settings.progress,
+    n_workers = verdict_pool.capacity + (image_pool.capacity if image_pool else 0)
+    # The only rows held: one per worker, and as many waiting, so a worker never waits on the reader.
+    queue: asyncio.Queue[Task | None] = asyncio.Queue(maxsize=n_workers)
+    bar = tqdm(total=total, desc="label", unit="sample", disable=not settings.progress,
                mininterval=1.0, dynamic_ncols=True)
 
     def record(result) -> None:
@@ -328,12 +311,25 @@ async def _label_all(todo: list[Task], settings: LabelSettings, tally: Tally, ou
         bar.update(1)
         bar.set_postfix_str(tally.progress_text(), refresh=False)
 
+    async def feed() -> None:
+        # Parsing a row takes well under a millisecond: done on the loop, between requests.
+        for item in items:
+            tally.read += 1
+            if isinstance(item, Reject):
+                record(item)
+                continue
+            done = existing.labelled.get(item.sample.id)
+            if done is not None:
+                tally.already_labelled += 1
+                tally.add_labelled(done.route, done.l3, this_run=False)
+                bar.update(1)
+                continue
+            await queue.put(item)
+        for _ in range(n_workers):
+            await queue.put(None)
+
     async def worker() -> None:
-        while True:
-            try:
-                task = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
+        while (task := await queue.get()) is not None:
             try:
                 result = await label_one(task, settings, verdict_pool, image_pool)
             except Exception as e:  # noqa: BLE001 -- a bug on one sample is recorded, never fatal
@@ -341,9 +337,8 @@ async def _label_all(todo: list[Task], settings: LabelSettings, tally: Tally, ou
                                 f"{type(e).__name__}: {e}", 0)
             record(result)
 
-    n_workers = verdict_pool.capacity + (image_pool.capacity if image_pool else 0)
     try:
-        await asyncio.gather(*(worker() for _ in range(max(1, min(n_workers, len(todo))))))
+        await asyncio.gather(feed(), *(worker() for _ in range(n_workers)))
     finally:
         bar.close()
         await verdict_pool.aclose()
@@ -375,7 +370,7 @@ def _stats(input_path: str, out_path: str, settings: LabelSettings, tally: Tally
         "requests": tally.attempts["requests"], "retried_samples": tally.retried_samples,
         "image_declined_this_run": tally.image_declined,
         "latency_s": {"p50": _pct(tally.latencies, 50), "p95": _pct(tally.latencies, 95),
-                      "mean": round(float(np.mean(tally.latencies)), 4) if tally.latencies else None},
+                      "mean": round(float(np.mean(tally.latencies)), 4) if len(tally.latencies) else None},
         "elapsed_s": round(elapsed, 3),
         "throughput_samples_per_s": round(tally.labelled_this_run / elapsed, 3) if elapsed > 0 else None,
         "teacher_model": settings.model, "endpoints": list(settings.endpoints),

@@ -3,7 +3,9 @@
 The output is the resume state: an id is done when its line is in OUT. A rerun reads OUT first,
 skips those ids, and appends the rest, so no id is ever written twice. Lines are written whole
 (one write of the encoded line with its newline, then a flush), so a kill -9 can tear at most
-the last line; `open_output` cuts such a tail back to the last complete line before appending.
+the last line; `scan_and_repair` cuts such a tail back to the last complete line before appending.
+It reads OUT as a stream and keeps only each id's outcome, so a resume costs the ids' memory, not
+the rows'.
 Anything else wrong inside OUT (a complete line that is not JSON, an id twice) is refused with
 the line number: that file was edited by hand, and guessing would lose or duplicate labels.
 """
@@ -36,6 +38,10 @@ class Done:
     l3: str
 
 
+# One record per (route, verdict): the resume state of a 33k-row OUT is its ids and 4 objects.
+_DONE = {(r, v): Done(r, v) for r in (ROUTE_TOOL_CALL, ROUTE_TEXT_ONLY) for v in ("pass", "fail")}
+
+
 @dataclasses.dataclass(frozen=True)
 class ExistingOutput:
     labelled: dict[str, Done]
@@ -46,31 +52,43 @@ class OutputCorrupt(ValueError):
     pass
 
 
+def _done_of(raw: bytes) -> tuple[str, Done]:
+    row = json.loads(raw)
+    sid = str(row["id"])
+    route = ROUTE_TOOL_CALL if (row["response"].get("tool_calls") or []) else ROUTE_TEXT_ONLY
+    l3 = row["label"]["l3"]
+    if (route, l3) not in _DONE:
+        raise ValueError(f"label.l3 {l3!r} is not 'pass' or 'fail'")
+    return sid, _DONE[route, l3]
+
+
 def scan_and_repair(path: str) -> ExistingOutput:
+    """OUT's ids and outcomes, read one line at a time (memory: the ids, not the rows); a torn
+    last line is cut off."""
     if not os.path.exists(path):
         return ExistingOutput({}, 0)
-    with open(path, "rb") as f:
-        data = f.read()
-    end = data.rfind(b"\n") + 1          # bytes after the last newline are a torn write
-    torn = len(data) - end
     done: dict[str, Done] = {}
-    for i, raw in enumerate(data[:end].split(b"\n")[:-1], start=1):
-        if not raw.strip():
-            continue
-        try:
-            row = json.loads(raw)
-            sid = str(row["id"])
-            item = Done(ROUTE_TOOL_CALL if (row["response"].get("tool_calls") or []) else ROUTE_TEXT_ONLY,
-                        row["label"]["l3"])
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise OutputCorrupt(f"{path}:{i}: not a labelled sample ({type(e).__name__}: {e}); "
-                                "fix or remove the line by hand") from None
-        if sid in done:
-            raise OutputCorrupt(f"{path}:{i}: id {sid!r} appears twice")
-        done[sid] = item
+    complete_bytes = 0
+    torn = 0
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            if not raw.endswith(b"\n"):     # only the last line can lack its newline: a torn write
+                torn = len(raw)
+                break
+            complete_bytes += len(raw)
+            if not raw.strip():
+                continue
+            try:
+                sid, item = _done_of(raw)
+            except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise OutputCorrupt(f"{path}:{i}: not a labelled sample ({type(e).__name__}: {e}); "
+                                    "fix or remove the line by hand") from None
+            if sid in done:
+                raise OutputCorrupt(f"{path}:{i}: id {sid!r} appears twice")
+            done[sid] = item
     if torn:
         with open(path, "r+b") as f:
-            f.truncate(end)
+            f.truncate(complete_bytes)
     return ExistingOutput(done, torn)
 
 
