@@ -34,12 +34,12 @@ def main(argv):
     from flax import nnx
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-    from configs.tiny import model_config
+    from configs.tiny import hf_model_config
     from rm_jax.model import load_hf
     from rm_jax.model.moe import MoeConfig, SparseMoeBlock, resolve_ragged_dot, tile_sizes
 
     f = flags.FLAGS
-    hf_dict = hf_config_dict(model_config().to_dict())
+    hf_dict = hf_config_dict(hf_model_config().to_dict())
     torch.manual_seed(0)
     hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**hf_dict)).eval()
     tmp = tempfile.mkdtemp()

@@ -20,7 +20,7 @@ import time
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 from sklearn.metrics import roc_auc_score
-from configs.tiny import model_config
+from configs.tiny import hf_model_config
 from rm_jax.model import registry
 from rm_jax.model.config import RuntimeOptions
 from rm_jax.model.inputs import prepare_inputs
@@ -76,7 +76,7 @@ def main(argv):
     del argv
     f = flags.FLAGS
     STEPS, B, NKV, LR, PRE = f.steps, f.batch, f.pairs, f.lr, f.recall_steps
-    d = model_config().to_dict(); d["text_config"]["vocab_size"] = 128
+    d = hf_model_config().to_dict(); d["text_config"]["vocab_size"] = 128
     _override(d["text_config"], f.text)
     FILL, POST = f.filler, f.post_filler
     cfg = registry.config_from_hf_dict(d, RuntimeOptions(dtype="float32", param_dtype="float32"))

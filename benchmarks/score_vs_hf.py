@@ -45,7 +45,7 @@ def main(argv):
     import torch
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-    from configs.tiny import get_config, model_config
+    from configs.tiny import get_config, hf_model_config
     from rm_jax.data import synth
     from rm_jax.data.render import Renderer
     from rm_jax.data.schema import Sample, read_samples
@@ -62,7 +62,7 @@ def main(argv):
                if isinstance(s, Sample) and s.images][:f.n]
     tok = renderer.tokenizer
 
-    d = hf_config_dict(model_config().to_dict())
+    d = hf_config_dict(hf_model_config().to_dict())
     d["text_config"]["vocab_size"] = len(tok)
     torch.manual_seed(0)
     hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**d)).eval().float()

@@ -2,8 +2,8 @@
 the rest Gated DeltaNet, 256 experts top-8 plus a shared expert, 27-block ViT without deepstack).
 
 Sizes are those of the published ``config.json`` (transformers' Qwen3_5MoeConfig keys, whose
-defaults are this model), so ``Qwen35MoeConfig.from_hf_dict(model_config())`` builds the model
-``rm_jax.model.qwen3_5_moe.params.load_hf`` reads from the checkpoint. Everything outside the model
+defaults are this model), so ``Qwen35MoeConfig.from_hf_dict(hf_model_config())`` builds the model
+``rm_jax.model.load_hf`` reads from the checkpoint. Everything outside the model
 section is the 30B config's: the report's recipe on one 8-GPU host.
 
 Usage: --config=configs/qwen3_5_35b_a3b.py
@@ -17,7 +17,7 @@ N_LAYERS = 40
 FULL_ATTENTION_INTERVAL = 4
 
 
-def model_config() -> ml_collections.ConfigDict:
+def hf_model_config() -> ml_collections.ConfigDict:
     """HF-style Qwen3.5-MoE config (keys as in transformers' Qwen3_5MoeConfig)."""
     return ml_collections.ConfigDict(dict(
         model_type="qwen3_5_moe",
@@ -72,7 +72,7 @@ def model_config() -> ml_collections.ConfigDict:
 def get_config() -> ml_collections.ConfigDict:
     cfg = qwen3_vl_30b_a3b.get_config()
     cfg.name = "qwen3_5_35b_a3b"
-    cfg.model = model_config()
+    cfg.model = hf_model_config()
     # Full-attention head_dim is 256, beyond the cuDNN flash head dims layers.choose_attention
     # admits (<= 128): "auto" picks XLA's attention on GPU and logs why, rather than failing.
     cfg.train.attention = "auto"

@@ -1,7 +1,7 @@
 """Qwen3-VL-30B-A3B-Instruct: the real judge base (48 layers, 128 experts top-8, 27-block ViT).
 
 Sizes are those of the published ``config.json`` (transformers' Qwen3VLMoeConfig keys), so
-``ModelConfig.from_hf_dict(model_config())`` builds the same model ``load_hf`` reads from the
+``ModelConfig.from_hf_dict(hf_model_config())`` builds the same model ``load_hf`` reads from the
 checkpoint. Only the model section differs from configs/tiny.py; data, mesh and MoE settings are
 the tiny ones with an 8-GPU single-host mesh (FSDP-only experts, docs/operations.md "Meshes").
 
@@ -13,7 +13,7 @@ import ml_collections
 from configs import judge_contracts, tiny
 
 
-def model_config() -> ml_collections.ConfigDict:
+def hf_model_config() -> ml_collections.ConfigDict:
     """HF-style Qwen3-VL-MoE config (keys as in transformers' Qwen3VLMoeConfig)."""
     return ml_collections.ConfigDict(dict(
         model_type="qwen3_vl_moe",
@@ -61,7 +61,7 @@ def model_config() -> ml_collections.ConfigDict:
 def get_config() -> ml_collections.ConfigDict:
     cfg = tiny.get_config()
     cfg.name = "qwen3_vl_30b_a3b"
-    cfg.model = model_config()
+    cfg.model = hf_model_config()
     cfg.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=8, expert=1, tensor=1))
     # The field report's v3 recipe: lr 5e-6, global batch 32, max length 8192, 2 epochs,
     # failures x3 in train only; bf16 compute over fp32 master weights, full remat.

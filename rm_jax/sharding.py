@@ -69,17 +69,25 @@ class MeshConfigError(ValueError):
     """A mesh shape that cannot work on these devices or with this model."""
 
 
+def _axis(doc: str):
+    return dataclasses.field(default=1, metadata={"doc": doc})
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    data: int = 1
-    fsdp: int = 1
-    expert: int = 1
-    tensor: int = 1
+    """The mesh section of a run config: devices per axis; one axis may be -1 (the rest)."""
+    data: int = _axis("pure data parallelism (replicated weights)")
+    fsdp: int = _axis("batch and ZeRO-3 weight sharding")
+    expert: int = _axis("expert parallelism for routed experts; batch outside MoE layers")
+    tensor: int = _axis("tensor parallelism over heads, mlp and vocab")
 
     @classmethod
     def from_config(cls, cfg) -> "MeshShape":
-        get = (lambda k: cfg.get(k, 1)) if hasattr(cfg, "get") else (lambda k: getattr(cfg, k, 1))
-        return cls(**{a: int(get(a)) for a in MESH_AXES})
+        """A mapping of axis sizes (missing axes are 1); an unknown axis is refused."""
+        unknown = sorted(set(cfg) - set(MESH_AXES))
+        if unknown:
+            raise MeshConfigError(f"unknown mesh axis mesh.{unknown[0]}; the axes are {MESH_AXES}")
+        return cls(**{a: int(cfg[a]) for a in cfg})
 
     @property
     def sizes(self) -> tuple[int, ...]:

@@ -24,8 +24,8 @@ SPEC = DecodeSpec(max_new_tokens=STEPS, eos_id=1, pad_id=0, pass_ids=(7,), fail_
 
 
 def small_cfg() -> ModelConfig:
-    from configs.tiny import model_config
-    d = model_config().to_dict()
+    from configs.tiny import hf_model_config
+    d = hf_model_config().to_dict()
     d["text_config"].update(vocab_size=320, num_hidden_layers=5, mlp_only_layers=[2])
     d["vision_config"].update(num_position_embeddings=16)
     return ModelConfig.from_hf_dict(d, RuntimeOptions())

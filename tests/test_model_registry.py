@@ -20,8 +20,8 @@ from rm_jax.model.safetensors_io import CheckpointError
 
 
 def _vl_dict(**text):
-    from configs.tiny import model_config
-    d = model_config().to_dict()
+    from configs.tiny import hf_model_config
+    d = hf_model_config().to_dict()
     d["text_config"].update(text)
     return d
 

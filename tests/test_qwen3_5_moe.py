@@ -263,7 +263,7 @@ def test_35b_config_has_the_published_sizes():
 
     from configs import qwen3_5_35b_a3b
     from rm_jax.model.config import hf_config_dict
-    cfg = Qwen35MoeConfig.from_hf_dict(hf_config_dict(qwen3_5_35b_a3b.model_config().to_dict()))
+    cfg = Qwen35MoeConfig.from_hf_dict(hf_config_dict(qwen3_5_35b_a3b.hf_model_config().to_dict()))
     ref = Qwen3_5MoeTextConfig()
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
@@ -283,11 +283,11 @@ def test_scorer_p_pass_equals_transformers(renderer, synth_dir, tmp_path):
 
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
-    from configs.tiny import model_config
+    from configs.tiny import hf_model_config
     from rm_jax.data.schema import Sample, read_samples
     from rm_jax.data.target import VERDICT_FIRST
     from rm_jax.score.scorer import Scorer
-    tiny = model_config().to_dict()
+    tiny = hf_model_config().to_dict()
     vision = {k: tiny["vision_config"][k] for k in ("depth", "hidden_size", "intermediate_size", "num_heads",
                                                     "in_channels", "patch_size", "spatial_merge_size",
                                                     "temporal_patch_size", "num_position_embeddings")}

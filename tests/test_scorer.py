@@ -29,8 +29,8 @@ BUCKETS = (512, 768, 1024)
 @pytest.fixture(scope="module")
 def judge(tmp_path_factory, renderer):
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-    from configs.tiny import model_config
-    d = hf_config_dict(model_config().to_dict())
+    from configs.tiny import hf_model_config
+    d = hf_config_dict(hf_model_config().to_dict())
     d["text_config"]["vocab_size"] = len(renderer.tokenizer)
     torch.manual_seed(0)
     hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**d)).eval().float()

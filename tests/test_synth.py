@@ -306,7 +306,7 @@ def tokenizer(dataset):
 def test_special_tokens_and_verdict_tokens(tokenizer):
     for i, t in enumerate(tiny.SPECIAL_TOKENS):
         assert tokenizer.convert_tokens_to_ids(t) == i
-    assert len(tokenizer) <= tiny.model_config().text_config.vocab_size
+    assert len(tokenizer) <= tiny.hf_model_config().text_config.vocab_size
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
     p = tokenizer("pass", add_special_tokens=False)["input_ids"]
     f = tokenizer("fail", add_special_tokens=False)["input_ids"]

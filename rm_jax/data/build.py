@@ -41,9 +41,9 @@ class BuildOptions:
     def from_config(cls, data_cfg) -> "BuildOptions":
         return cls(max_len=int(data_cfg.max_len), heldout_fraction=float(data_cfg.heldout_fraction),
                    split_seed=int(data_cfg.split_seed), oversample_fail=int(data_cfg.oversample_fail),
-                   shard_max_bytes=int(data_cfg.get("shard_max_bytes", 64 << 20)),
+                   shard_max_bytes=int(data_cfg.shard_max_bytes),
                    shard_max_examples=int(data_cfg.shard_max_examples),
-                   pixel_dtype=str(data_cfg.get("pixel_dtype", "float16")))
+                   pixel_dtype=str(data_cfg.pixel_dtype))
 
 
 def split_of(prompt_id: str, heldout_fraction: float, seed: int) -> str:

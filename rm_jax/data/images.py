@@ -71,7 +71,7 @@ class ImageBudget:
 
     @classmethod
     def from_config(cls, cfg) -> "ImageBudget":
-        return cls(int(cfg.max_pixels), int(cfg.min_pixels), int(cfg.get("max_image_tokens", 1024)))
+        return cls(int(cfg.max_pixels), int(cfg.min_pixels), int(cfg.max_image_tokens))
 
     def pixel_cap(self, patch_size: int, merge_size: int) -> int:
         """The most pixels a resized image keeps: the pixel budget or the token cap, whichever is lower."""

@@ -65,7 +65,7 @@ class RenderConfig:
     def from_config(cls, data_cfg) -> "RenderConfig":
         return cls(tool_contract=data_cfg.tool_contract, text_contract=data_cfg.text_contract,
                    field_order=tuple(data_cfg.field_order),
-                   tools_listing=data_cfg.get("tools_listing", TOOLS_TEMPLATE))
+                   tools_listing=data_cfg.tools_listing)
 
 
 @dataclasses.dataclass
