@@ -32,6 +32,11 @@ _API_KEY_FILE = flags.DEFINE_string("api_key_file", None, "file holding the bear
 _TOKENIZER = flags.DEFINE_string("tokenizer", "", "tokenizer dir (default: the one the training data used)")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "decoding budget after the verdict (as launch.score)")
 _MAX_BODY = flags.DEFINE_integer("max_body_mb", 64, "largest request body in MiB; beyond: 413")
+_CALL_FORMAT = flags.DEFINE_enum("tool_call_format", "template", ["template", "auto", "hermes", "xml"],
+                                  "how rollouts write tool calls: as the served chat template names (else detected "
+                                  "per response), detected per response, Hermes JSON, or Qwen3.5/Qwen3-Coder XML")
+_KEEP_THINK = flags.DEFINE_bool("keep_think", False, "judge a rollout's <think>...</think> text as part of its "
+                                "content (default: reasoning is not judged)")
 _REWARD = define_reward_flags()
 
 
@@ -69,12 +74,17 @@ def main(argv):
 
     from rm_jax.serve.app import ServeSettings, create_app
     from rm_jax.serve.engine import Engine
+    from rm_jax.serve.toolcalls import CallFormat
 
     engine = Engine.load(_WORKDIR.value, _STEP.value, max_batch=_MAX_BATCH.value, max_new_tokens=_MAX_NEW.value,
-                         tokenizer=_TOKENIZER.value, reward=_REWARD())
+                         tokenizer=_TOKENIZER.value, reward=_REWARD(),
+                         call_format=None if _CALL_FORMAT.value == "template" else CallFormat(_CALL_FORMAT.value))
     settings = ServeSettings(max_batch=_MAX_BATCH.value, max_wait_ms=_MAX_WAIT.value, max_queue=_MAX_QUEUE.value,
-                             image_root=_IMAGE_ROOT.value, api_key=api_key, max_body_bytes=_MAX_BODY.value << 20)
+                             image_root=_IMAGE_ROOT.value, api_key=api_key, max_body_bytes=_MAX_BODY.value << 20,
+                             keep_think=_KEEP_THINK.value)
     asgi, _ = create_app(engine, settings)
+    logging.info("rollouts: assistant turn starts at %r, tool calls %s%s", engine.assistant_start,
+                 engine.call_format.value, ", <think> judged" if _KEEP_THINK.value else "")
     logging.info("serving %s (step %d, %s) on http://%s:%d%s", engine.model_id, engine.step, engine.model_type, host,
                  _PORT.value, " with a bearer key" if api_key else "")
     # uvicorn handles SIGTERM/SIGINT: stop accepting, wait for in-flight requests, run the

@@ -20,6 +20,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_fixtures import REPO, JudgeServer, make_judge_workdir, server_env  # noqa: E402
 
+from rm_jax.data.schema import decode_arguments  # noqa: E402
 from rm_jax.serve.toolcalls import parse_raw_response  # noqa: E402
 
 KEY = "test-key-123"
@@ -38,7 +39,7 @@ def server(run, synth_dir, tmp_path_factory):
     workdir, cache = run
     key_file = tmp_path_factory.mktemp("key") / "key.txt"
     key_file.write_text(KEY + "\n")
-    srv = JudgeServer(workdir, "--max_batch=8", "--max_wait_ms=30", f"--max_queue={MAX_QUEUE}",
+    srv = JudgeServer(workdir, "--max_batch=8", "--max_wait_ms=30", f"--max_queue={MAX_QUEUE}", "--tool_call_format=auto",
                       f"--image_root={synth_dir}", "--max_body_mb=1", f"--api_key_file={key_file}",
                       cache_dir=cache, api_key=KEY)
     srv.start()
@@ -191,15 +192,18 @@ def test_get_reward_parses_raw_text_and_gates_what_it_cannot_score(server, http,
                prompt + "On it.\n<tool_call>\n{\"name\": \"%s\", \"arguments\": {\"a\": 1" % name,   # unclosed
                prompt + "<tool_call>{not json}</tool_call>",                        # undecodable
                prompt + "anything",                                                  # label is not JSON
-               "a different prompt" + "anything"]                                    # query lacks its prompt
+               "a different prompt" + "anything"]                                    # no assistant turn
     labels = [_label(base)] * 4 + ["{not json", _label(base)]
     r = http.post("/get_reward", json={"query": queries, "prompts": [prompt] * len(queries), "labels": labels})
     assert r.status_code == 200
     body = r.json()
-    assert set(body) == {"rewards", "scores", "extra_logs", "errors"} and body["scores"] == body["rewards"]
+    assert set(body) == {"rewards", "scores", "extra_logs", "errors"}
     logs = body["extra_logs"]
     assert set(logs) == {"p_pass", "rule_score", "n_issues", "img", "gated", "error"}
     assert all(len(v) == len(queries) for v in logs.values())
+    # scores: P(pass), a pass rate in [0, 1] (OpenRLHF's filter); 0 where the gate applies
+    assert body["scores"][:2] == logs["p_pass"][:2] and all(0.0 <= x <= 1.0 for x in body["scores"])
+    assert body["scores"][2:] == [0.0] * 4
 
     structured = _with_calls(base, [(name, args)], "On it.")
     ref = http.post("/v1/score", json={"samples": [structured]}).json()["results"][0]
@@ -209,12 +213,55 @@ def test_get_reward_parses_raw_text_and_gates_what_it_cannot_score(server, http,
     for i in (2, 3):                                                 # malformed calls: the gate, judge ignored
         assert body["rewards"][i] == -2.0 and logs["gated"][i] == 1.0 and logs["error"][i] == 0.0
     assert body["rewards"][4] == -2.0 and logs["error"][4] == 1.0 and body["errors"][4].startswith("labels[4]")
-    assert body["rewards"][5] == -2.0 and "does not start with prompts[5]" in body["errors"][5]
+    assert body["rewards"][5] == -2.0 and "no assistant-turn start" in body["errors"][5]
 
     empty = http.post("/get_reward", json={"query": [], "prompts": [], "labels": []}).json()
     assert empty["rewards"] == [] and empty["scores"] == [] and all(v == [] for v in empty["extra_logs"].values())
     mismatch = http.post("/get_reward", json={"query": ["a"], "prompts": [], "labels": []})
     assert mismatch.status_code == 422 and "prompts" in mismatch.text
+
+
+def _xml_block(name: str, args: dict) -> str:
+    """A call as the Qwen3.5 / Qwen3-Coder templates write it."""
+    params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                     for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def test_get_reward_finds_the_response_by_the_assistant_turn_in_real_query_shapes(server, http, raw_samples, renderer):
+    """The query's prompt part differs from ``prompts[i]`` as OpenRLHF builds it (image pads
+    expanded, left-truncated, a system prompt added), Qwen3.5 XML calls and thinking; slime's body."""
+    base = raw_samples["p2-s0"]                                  # a sample with images
+    call = base["response"]["tool_calls"][0]["function"]
+    args = decode_arguments(call["arguments"])[0]
+    label = _label(base)
+    ref = http.post("/v1/score", json={"samples": [_with_calls(base, [(call["name"], args)], None)]}).json()
+    ref = ref["results"][0]
+    tok = renderer.tokenizer
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "edit it"}]}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt.count("<|image_pad|>") == 1
+    expanded = prompt.replace("<|image_pad|>", "<|image_pad|>" * 64)       # what the processor's ids decode to
+    with_system = "<|im_start|>system\nYou are helpful.<|im_end|>\n" + prompt
+    response_hermes = "<tool_call>\n" + json.dumps({"name": call["name"], "arguments": args}) + "\n</tool_call>"
+    response_xml = "<think>\nthe user wants an edit\n</think>\n\n" + _xml_block(call["name"], args)
+    # OpenRLHF decodes prompt + response ids with skip_special_tokens=False: the stop token stays
+    queries = [expanded + response_hermes + "<|im_end|>", prompt[len(prompt) // 2:] + response_hermes,
+               with_system + response_xml + "<|im_end|><|endoftext|>", expanded + response_xml[:-12]]
+    body = http.post("/get_reward", json={"query": queries, "prompts": [prompt] * 4, "labels": [label] * 4}).json()
+    assert body["errors"][:3] == [None] * 3
+    for i in range(3):
+        assert abs(body["rewards"][i] - ref["reward"]) < 1e-5 and abs(body["scores"][i] - ref["p_pass"]) < 1e-5
+    assert body["rewards"][3] == -2.0 and body["extra_logs"]["gated"][3] == 1.0      # the call never closed
+
+    slime = http.post("/get_reward", json={"prompt": prompt, "response": response_xml, "label": json.loads(label)})
+    assert slime.status_code == 200
+    got = slime.json()
+    assert abs(got["reward"] - ref["reward"]) < 1e-5 and abs(got["score"] - ref["p_pass"]) < 1e-5
+    assert got["error"] is None and got["gated"] == 0.0
+    bad = http.post("/get_reward", json={"prompt": "", "response": "hi", "label": "{nope"}).json()
+    assert bad["reward"] == -2.0 and bad["error"].startswith("label")
+    assert http.post("/get_reward", json={"prompt": "x"}).status_code == 422
 
 
 @pytest.mark.slow

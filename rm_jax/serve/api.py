@@ -38,10 +38,30 @@ class GetRewardRequest(BaseModel):
 
 
 class GetRewardResponse(BaseModel):
-    rewards: list[float]
-    scores: list[float]
+    rewards: list[float]              # the composite reward (the gate value when gated)
+    scores: list[float]               # P(pass) in [0, 1] (0 when gated): what OpenRLHF's filter reads
     extra_logs: dict[str, list[float]]
     errors: list[str | None]          # not read by OpenRLHF; why a sample took the gate reward
+
+
+class SlimeRewardRequest(BaseModel):
+    """slime's remote reward request: one sample; ``response`` is the bare completion."""
+    model_config = ConfigDict(extra="allow")
+    prompt: str | list[Any] | None = None
+    response: str
+    label: str | dict[str, Any]
+
+
+class SlimeRewardResponse(BaseModel):
+    """One sample's reward (slime: ``--reward-key reward``) and its parts."""
+    reward: float
+    score: float                      # P(pass), as ``scores`` above
+    p_pass: float
+    rule_score: float
+    n_issues: float
+    img: float
+    gated: float
+    error: str | None
 
 
 # ---------------------------------------------------------------- OpenAI chat

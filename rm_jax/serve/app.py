@@ -34,7 +34,7 @@ from rm_jax.serve.batcher import Batcher, JobTooLarge, QueueFull, ShuttingDown
 from rm_jax.serve.engine import KIND_CHAT, KIND_FULL, KIND_P_PASS, ChatInputError
 from rm_jax.serve.inputs import BadSample, parse_request_sample
 from rm_jax.serve.metrics import ServerMetrics
-from rm_jax.serve.toolcalls import parse_raw_response
+from rm_jax.serve.rollout import RolloutParser
 
 ROUTES = ("/healthz", "/v1/models", "/v1/chat/completions", "/v1/score", "/get_reward", "/metrics")
 OPEN_ROUTES = ("/healthz",)
@@ -46,6 +46,7 @@ class ServeSettings:
     max_wait_ms: float = 10.0
     max_queue: int = 1024
     image_root: str | None = None
+    keep_think: bool = False        # judge the policy's <think> text as part of its content
     api_key: str | None = None
     max_body_bytes: int = 64 << 20
 
@@ -123,6 +124,40 @@ class _Guard:
 
 def _finite(x, default: float = 0.0) -> float:
     return float(x) if x is not None and isinstance(x, (int, float)) and math.isfinite(x) else default
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardRow:
+    """One rollout's reward and the parts the RL frameworks log."""
+    reward: float            # composite; the gate value when gated or unscorable
+    score: float             # P(pass) in [0, 1]; 0 when gated or unscorable
+    p_pass: float
+    rule_score: float
+    n_issues: float
+    img: float               # -1: no image term
+    gated: float
+    error: float             # 1.0 when the sample could not be scored (``why`` says why)
+    why: str | None
+
+    LOGGED = ("p_pass", "rule_score", "n_issues", "img", "gated", "error")
+
+    @classmethod
+    def of(cls, row: dict, error: str | None, gate: float) -> "RewardRow":
+        """From a ``launch.score`` row, or an error found before scoring."""
+        error = error or row.get("error")
+        if error is not None:
+            return cls(reward=gate, score=0.0, p_pass=0.0, rule_score=gate, n_issues=0.0, img=-1.0, gated=1.0,
+                       error=1.0, why=error)
+        gated = bool(row["components"]["gated"])
+        p_pass = _finite(row["p_pass"])
+        return cls(reward=float(row["reward"]), score=0.0 if gated else min(max(p_pass, 0.0), 1.0), p_pass=p_pass,
+                   rule_score=float(row["rule_score"]), n_issues=float(len(row["issues"])),
+                   img=_finite(row["img"], -1.0), gated=float(gated), error=0.0, why=None)
+
+    def slime(self) -> api.SlimeRewardResponse:
+        return api.SlimeRewardResponse(reward=self.reward, score=self.score, p_pass=self.p_pass,
+                                       rule_score=self.rule_score, n_issues=self.n_issues, img=self.img,
+                                       gated=self.gated, error=self.why)
 
 
 def _json_safe(x):
@@ -236,54 +271,42 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
     async def score(req: api.ScoreRequest):
         return api.ScoreResponse(results=await score_samples(req.samples, req.mode))
 
-    @app.post("/get_reward", response_model=api.GetRewardResponse)
-    async def get_reward(req: api.GetRewardRequest):
+    rollouts = RolloutParser(engine.assistant_start, engine.call_format, keep_think=settings.keep_think)
+    gate = float(engine.reward.penalties.gate_reward)
+
+    async def rewards_of(objs: list, pre_errors: dict[int, str]) -> list[RewardRow]:
+        rows = await score_samples([o if o is not None else {} for o in objs], "full")
+        return [RewardRow.of(row, pre_errors.get(i), gate) for i, row in enumerate(rows)]
+
+    @app.post("/get_reward", response_model=None)
+    async def get_reward(req: api.GetRewardRequest | api.SlimeRewardRequest):
+        if isinstance(req, api.SlimeRewardRequest):
+            try:
+                objs, pre = [rollouts.sample(req.label, req.response, "slime-0", "label")], {}
+            except ValueError as e:
+                objs, pre = [None], {0: str(e)}
+            return (await rewards_of(objs, pre))[0].slime()
         n = len(req.query)
         for name, values in (("prompts", req.prompts), ("labels", req.labels)):
             if len(values) != n:
                 raise HTTPException(422, f"{name} has {len(values)} entries for {n} queries: one each is required")
-        objs: list = []
-        pre_errors: dict[int, str] = {}
+        objs, pre_errors = [], {}
         for i, (query, prompt, label) in enumerate(zip(req.query, req.prompts, req.labels)):
             try:
-                obj = json.loads(label)
-            except json.JSONDecodeError as e:
-                pre_errors[i] = f"labels[{i}]: not JSON ({e.msg} at column {e.colno})"
+                text = rollouts.response_text(query, prompt)
+            except ValueError as e:
                 objs.append(None)
+                pre_errors[i] = f"query[{i}]: {e}"
                 continue
-            if not isinstance(obj, dict):
-                pre_errors[i] = f"labels[{i}]: expected a sample object without response, got {type(obj).__name__}"
+            try:
+                objs.append(rollouts.sample(label, text, f"get_reward-{i}", f"labels[{i}]"))
+            except ValueError as e:
                 objs.append(None)
-                continue
-            if not query.startswith(prompt):
-                pre_errors[i] = f"query[{i}] does not start with prompts[{i}]"
-                objs.append(None)
-                continue
-            obj = dict(obj)
-            obj.setdefault("id", f"get_reward-{i}")
-            obj["response"] = parse_raw_response(query[len(prompt):]).to_json()
-            objs.append(obj)
-        rows = await score_samples([o if o is not None else {} for o in objs], "full")
-        gate = float(engine.reward.penalties.gate_reward)
-        rewards, errors = [], []
-        logs: dict[str, list[float]] = {k: [] for k in ("p_pass", "rule_score", "n_issues", "img", "gated", "error")}
-        for i, row in enumerate(rows):
-            err = pre_errors.get(i) or row.get("error")
-            errors.append(err)
-            if err is not None:
-                rewards.append(gate)
-                for k, v in (("p_pass", 0.0), ("rule_score", gate), ("n_issues", 0.0), ("img", -1.0),
-                             ("gated", 1.0), ("error", 1.0)):
-                    logs[k].append(v)
-                continue
-            rewards.append(float(row["reward"]))
-            logs["p_pass"].append(_finite(row["p_pass"]))
-            logs["rule_score"].append(float(row["rule_score"]))
-            logs["n_issues"].append(float(len(row["issues"])))
-            logs["img"].append(_finite(row["img"], -1.0))
-            logs["gated"].append(float(bool(row["components"]["gated"])))
-            logs["error"].append(0.0)
-        # OpenRLHF reads "rewards" for training and "scores" for filtering; both are the reward here.
-        return api.GetRewardResponse(rewards=rewards, scores=list(rewards), extra_logs=logs, errors=errors)
+                pre_errors[i] = str(e)
+        got = await rewards_of(objs, pre_errors)
+        logs = {k: [getattr(r, k) for r in got] for k in RewardRow.LOGGED}
+        # OpenRLHF trains on "rewards" and filters on "scores", a pass rate in [0, 1].
+        return api.GetRewardResponse(rewards=[r.reward for r in got], scores=[r.score for r in got], extra_logs=logs,
+                                     errors=[r.why for r in got])
 
     return _Guard(app, settings, metrics), app

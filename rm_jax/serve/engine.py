@@ -26,6 +26,8 @@ from rm_jax.data.schema import Sample, SampleError
 from rm_jax.model.decode import TextGeneration, TextSpec
 from rm_jax.model.registry import prepare_inputs
 from rm_jax.score.reward import RewardSettings
+from rm_jax.serve.rollout import assistant_turn_start
+from rm_jax.serve.toolcalls import CallFormat, format_of_template
 
 KIND_FULL, KIND_P_PASS, KIND_CHAT = "score_full", "score_p_pass", "chat"
 CHAT_BATCH = 8              # chat rows per device call (its own compile per bucket and budget)
@@ -65,13 +67,13 @@ def _pow2_at_least(n: int, floor: int) -> int:
 
 class Engine:
     def __init__(self, *, model, renderer, run_cfg, step: int, workdir: str, max_batch: int, max_new_tokens: int,
-                 reward: RewardSettings):
+                 reward: RewardSettings, call_format: CallFormat | None = None):
         from rm_jax.model.decode import Decoder
         from rm_jax.score.scorer import Scorer
         self.model, self.renderer, self.run_cfg, self.step = model, renderer, run_cfg, int(step)
         self.workdir = os.path.abspath(workdir)
         self.reward = reward
-        self.model_type = str(run_cfg.model.get("model_type", "qwen3_vl_moe"))
+        self.model_type = run_cfg.model.model_type
         self.max_batch = int(max_batch)
         self.scorer = Scorer.for_run(model, renderer, run_cfg, batch_size=self.max_batch,
                                      max_new_tokens=max_new_tokens, progress=False)
@@ -93,16 +95,21 @@ class Engine:
             buckets.append(b)
         self.chat_buckets = tuple(buckets)
         self.model_id = f"{os.path.basename(self.workdir.rstrip(os.sep)) or 'judge'}-step{self.step}"
+        # How rollouts are read: the template's assistant-turn start, and the call format it names
+        # (a policy's format may be forced with call_format).
+        self.assistant_start = assistant_turn_start(tok)
+        self.call_format = format_of_template(tok.chat_template) if call_format is None else call_format
 
     @classmethod
     def load(cls, workdir: str, step: int | None = None, *, max_batch: int = 32, max_new_tokens: int = 64,
-             tokenizer: str = "", reward: RewardSettings = RewardSettings()) -> "Engine":
+             tokenizer: str = "", reward: RewardSettings = RewardSettings(),
+             call_format: CallFormat | None = None) -> "Engine":
         from rm_jax.score.checkpoints import load_judge
         from rm_jax.score.run import renderer_for
         run_cfg, renderer = renderer_for(workdir, tokenizer)
         model, _, used = load_judge(workdir, step)
         return cls(model=model, renderer=renderer, run_cfg=run_cfg, step=used, workdir=workdir, max_batch=max_batch,
-                   max_new_tokens=max_new_tokens, reward=reward)
+                   max_new_tokens=max_new_tokens, reward=reward, call_format=call_format)
 
     # -- the worker's entry point ---------------------------------------------------------------
 

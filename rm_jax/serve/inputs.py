@@ -1,6 +1,7 @@
 """Request samples -> ``Sample`` records, with image paths confined to ``--image_root``.
 
-A request's image is a data URI or a path relative to the server's image root. Paths are checked
+A request's image is a data URI, a path relative to the server's image root, or a remote URL,
+which stays ``[image: URL]`` text as in build and ``launch.score`` (nothing is fetched). Paths are checked
 on the raw JSON *before* the sample parser touches the file system: a path that resolves (after
 ``..`` and symlinks) outside the root is refused without revealing whether the file exists.
 Tool results are checked too, since their image fields are opened at render time.
@@ -12,7 +13,7 @@ import dataclasses
 import os
 from typing import Any
 
-from rm_jax.data.schema import Sample, SampleError, parse_sample
+from rm_jax.data.schema import Sample, SampleError, is_remote_image_ref, parse_sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,7 @@ def check_image_paths(obj: dict, image_root: str | None) -> None:
     image when the server has no image root)."""
     root = os.path.realpath(image_root) if image_root else None
     for field, src in _image_sources(obj):
-        if src.startswith("data:"):
+        if src.startswith("data:") or is_remote_image_ref(src):    # a URL is shown as [image: URL] text
             continue
         if root is None:
             raise SampleError("image_path_refused", field,
