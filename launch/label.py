@@ -5,7 +5,10 @@
        --thumbnail_edge=512 --limit=N]
 
 Writes OUT (each input row with `label` and `label_meta`), OUT.errors.jsonl, OUT.rejects.jsonl
-and OUT.stats.json (read = labelled + failed + rejected). A rerun with the same --out resumes:
+and OUT.stats.json (read = labelled + failed + rejected). OUT may be in any folder: relative
+image paths are rewritten to name the same files from there; image URLs stay URLs (the teacher
+reads `[image: URL]`, as the judge will). Input rows are streamed: memory follows
+--concurrency, not the input's size. A rerun with the same --out resumes:
 labelled ids are skipped, failed ones retried, a torn last line (kill -9) repaired. The API key,
 when the teachers need one, comes from $OPENAI_API_KEY. Exits 1 when a rerun is needed (samples
 still failed after their retries), 2 on a usage error, 0 otherwise (rejected rows are bad input,

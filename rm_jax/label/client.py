@@ -29,6 +29,7 @@ from typing import Callable, Generic, TypeVar
 
 import openai
 import tenacity
+from openai.types.chat import ChatCompletion
 
 T = TypeVar("T")
 
@@ -175,10 +176,13 @@ class TeacherPool:
                 ep.requests += 1
                 t0 = time.monotonic()
                 try:
+                    # The SDK's documented raw route (same HTTP, errors and parsing as
+                    # chat.completions.create) without its typed-params walk over the
+                    # messages, which cost more per request than the thumbnails.
                     resp = await asyncio.wait_for(
-                        ep.client.chat.completions.create(
-                            model=self.model, messages=messages, max_tokens=self.generation.max_tokens,
-                            temperature=self.generation.temperature),
+                        ep.client.post("/chat/completions", cast_to=ChatCompletion, body={
+                            "model": self.model, "messages": messages, "max_tokens": self.generation.max_tokens,
+                            "temperature": self.generation.temperature}),
                         timeout=self.policy.timeout_s)
                 except asyncio.TimeoutError:
                     raise _Deadline() from None
