@@ -1,7 +1,7 @@
 """The documented commands are true: every `python -m launch.X` / `python -m benchmarks.X` written
 in README.md, WORKSPACE.md and docs/ names a module that exists and only flags that module
 defines, every `--config.a.b=v` names a key of the config it runs, and the documented
-registry one-liner runs and lists the architectures.
+`python -c` one-liners run.
 
 Flags are read from the modules' source (the literal names given to absl's `DEFINE_*`, the flag
 helpers of launch/common.py they call, and argparse's `add_argument`), so this test imports no
@@ -116,15 +116,30 @@ def test_documented_command_is_true(doc, module, args):
             f"{doc}: python -m {module} --{name}: {module} defines no such flag (it has {sorted(flags)})")
 
 
-def test_registry_one_liner_runs():
-    """docs/architecture.md's command that lists the registered architectures."""
-    text = open(os.path.join(REPO, "docs", "architecture.md"), encoding="utf-8").read()
-    line = next(ln.strip() for ln in text.splitlines() if "registry.known_model_types()" in ln)
-    code = re.fullmatch(r'python -c "(.*)"', line).group(1)
+def documented_one_liners() -> list[tuple[str, str]]:
+    """(doc file, code) for every `python -c "..."` line of the docs."""
+    found = []
+    for doc in DOCS:
+        for line in open(os.path.join(REPO, doc), encoding="utf-8").read().splitlines():
+            m = re.fullmatch(r'\s*python -c "(.*)"', line)
+            if m:
+                found.append((doc, m.group(1)))
+    return found
+
+
+def test_one_liners_run():
+    """The documented one-liners run; the registry lists the architectures, describe() the keys."""
+    outputs = {}
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert {"qwen3_vl_moe", "qwen3_5_moe", "qwen3_5_moe_text"} <= set(re.findall(r"'(\w+)'", proc.stdout)), proc.stdout
+    for doc, code in documented_one_liners():
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, f"{doc}: python -c {code!r}\n{proc.stderr[-2000:]}"
+        outputs[code] = proc.stdout
+    registry = next(out for code, out in outputs.items() if "known_model_types" in code)
+    assert {"qwen3_vl_moe", "qwen3_5_moe", "qwen3_5_moe_text"} <= set(re.findall(r"'(\w+)'", registry)), registry
+    described = next(out for code, out in outputs.items() if "describe()" in code)
+    assert re.search(r"^train\.steps = ", described, re.M) and re.search(r"^mesh\.fsdp = ", described, re.M), described
 
 
 def test_doc_links_stay_inside_the_repository():
