@@ -131,7 +131,7 @@ def write_image_processor(out_dir: str, image_cfg=None) -> None:
     import transformers
 
     image_cfg = image_cfg if image_cfg is not None else tiny.data_config().image
-    vcfg = tiny.model_config().vision_config
+    vcfg = tiny.hf_model_config().vision_config
     proc = transformers.Qwen2VLImageProcessor(
         patch_size=int(vcfg.patch_size), temporal_patch_size=int(vcfg.temporal_patch_size),
         merge_size=int(vcfg.spatial_merge_size),
@@ -144,7 +144,7 @@ def write_tokenizer_dir(out_dir: str, corpus_texts: Iterable[str], vocab_size: i
     processor to `out_dir` (loadable with AutoTokenizer / AutoImageProcessor.from_pretrained)."""
     import transformers
 
-    max_vocab = int(tiny.model_config().text_config.vocab_size)
+    max_vocab = int(tiny.hf_model_config().text_config.vocab_size)
     if vocab_size > max_vocab:
         raise ValueError(f"vocab_size {vocab_size} exceeds the tiny model's vocab_size {max_vocab}")
     specials = list(tiny.SPECIAL_TOKENS)
