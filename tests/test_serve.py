@@ -373,7 +373,8 @@ def test_full_queue_answers_503_with_retry_after(server, http, raw_samples):
     _poll_queue(server, MAX_QUEUE)
     r = http.post("/v1/score", json={"samples": [raw_samples["p0-s0"]]})
     t.join()
-    assert r.status_code == 503 and r.headers["Retry-After"] == "1" and "queue full" in r.text
+    # Retry-After: seconds for the measured drain rate to make room (whole seconds, 1..60)
+    assert r.status_code == 503 and 1 <= int(r.headers["Retry-After"]) <= 60 and "queue full" in r.text
     assert result["r"].status_code == 200 and len(result["r"].json()["results"]) == MAX_QUEUE
     assert http.post("/v1/score", json={"samples": [raw_samples["p0-s0"]], "mode": "p_pass"}).status_code == 200
 

@@ -9,17 +9,18 @@ other dataset column (one list entry per completion), and reads back one float p
 dataset column (``sample`` by default: the sample JSON without ``response``). Completions are raw
 text, or conversational (``[{"role": "assistant", "content": ..., "tool_calls": [...]}]``), whose
 structured tool calls are written back as the ``<tool_call>`` blocks the server parses.
+
+Requests go through ``rm_jax.rl.client`` (batched, bounded in flight, retried after the server's
+``Retry-After``; a request that still fails gives its samples the gate reward, logged and
+counted in ``stats``). ``last_records`` holds the full records of the last call.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
-import httpx
-
-from rm_jax.rl.common import auth_headers, records, reward_request, server_url
+from rm_jax.rl.client import ClientSettings, ClientStats, SyncRewardClient
 
 
 def completion_text(completion: Any) -> str:
@@ -43,12 +44,17 @@ class JudgeReward:
     """``reward_funcs`` entry: ``__call__(prompts, completions, **kwargs) -> list[float | None]``."""
 
     def __init__(self, url: str | None = None, *, sample_column: str = "sample", api_key: str | None = None,
-                 timeout_s: float = 600.0):
-        self.url, self.sample_column = server_url(url), sample_column
-        self.headers = auth_headers(api_key)
-        self.client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
+                 settings: ClientSettings | None = None):
+        settings = settings if settings is not None else ClientSettings()
+        self.client = SyncRewardClient(ClientSettings(**{**settings.__dict__, "url": url or settings.url,
+                                                         "api_key": api_key or settings.api_key}))
+        self.sample_column = sample_column
         self.__name__ = "rm_jax_judge"          # TRL names the logged reward after the function
         self.last_records = []
+
+    @property
+    def stats(self) -> ClientStats:
+        return self.client.stats
 
     def __call__(self, prompts: list, completions: list, **kwargs) -> list[float | None]:
         del prompts
@@ -57,14 +63,8 @@ class JudgeReward:
         out: list[float | None] = [None] * len(completions)
         if not todo:
             return out
-        body = reward_request([completion_text(completions[i]) for i in todo], [contexts[i] for i in todo])
-        for attempt in range(5):
-            resp = self.client.post(self.url + "/get_reward", json=body, headers=self.headers)
-            if resp.status_code != 503:
-                break
-            time.sleep(float(resp.headers.get("Retry-After", "1")) * (attempt + 1))
-        resp.raise_for_status()
-        self.last_records = records(resp.json())
+        self.last_records = self.client.score([completion_text(completions[i]) for i in todo],
+                                              [contexts[i] for i in todo])
         for i, rec in zip(todo, self.last_records):
             out[i] = rec.score
         return out

@@ -16,7 +16,8 @@ kind -- and await its future.
   ``max_batch``; a single job larger than that runs alone).
 * **Admission control.** ``max_queue`` bounds the samples admitted and not yet answered; a job
   that would exceed it is refused (``QueueFull``: the server answers 503 with Retry-After) rather
-  than queued without bound while every client times out.
+  than queued without bound while every client times out. Retry-After is the time the measured
+  drain rate (samples answered per second, last 30 s) needs to make room for the job.
 * **Isolation.** If a device batch (or a ``run_batch`` call) raises, the jobs in it are retried
   one by one with ``run_batch``, so a request that breaks the device call fails alone and its
   neighbours still get their results.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import math
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -42,8 +44,36 @@ from rm_jax.serve.stream import StepFailed
 
 class QueueFull(Exception):
     def __init__(self, depth: int, limit: int, retry_after_s: int = 1):
-        super().__init__(f"queue full: {depth} samples waiting, limit {limit}")
+        super().__init__(f"queue full: {depth} samples waiting, limit {limit}; retry after {retry_after_s} s")
         self.retry_after_s = retry_after_s
+
+
+class DrainRate:
+    """Samples answered per second over the last ``window_s``: what a refused client should wait
+    for its request to fit (``retry_after_s``), instead of a fixed guess."""
+
+    def __init__(self, window_s: float = 30.0, max_retry_s: int = 60):
+        self.window_s, self.max_retry_s = float(window_s), int(max_retry_s)
+        self._answered: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, n: int, now: float) -> None:
+        self._answered.append((now, int(n)))
+        while self._answered and self._answered[0][0] < now - self.window_s:
+            self._answered.popleft()
+
+    def per_s(self, now: float) -> float | None:
+        recent = [(t, n) for t, n in self._answered if t >= now - self.window_s]
+        if len(recent) < 2:
+            return None
+        span = max(now - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / span
+
+    def retry_after_s(self, excess: int, now: float) -> int:
+        """Whole seconds until ``excess`` more samples have drained (1 without a measurement)."""
+        rate = self.per_s(now)
+        if rate is None or rate <= 0:
+            return 1
+        return int(min(max(math.ceil(excess / rate), 1), self.max_retry_s))
 
 
 class JobTooLarge(Exception):
@@ -79,6 +109,7 @@ class Batcher:
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._depth = 0
+        self.drain = DrainRate()
         self._stopping = False
         self._thread = threading.Thread(target=self._work, name="rm_jax-device-worker", daemon=True)
 
@@ -105,7 +136,8 @@ class Batcher:
             if job.size > self.max_queue:
                 raise JobTooLarge(f"{job.size} samples in one request > --max_queue={self.max_queue}")
             if self._depth + job.size > self.max_queue:
-                raise QueueFull(self._depth, self.max_queue)
+                excess = self._depth + job.size - self.max_queue
+                raise QueueFull(self._depth, self.max_queue, self.drain.retry_after_s(excess, time.monotonic()))
             self._depth += job.size
             self._queue.append(job)
             self._cond.notify_all()
@@ -236,6 +268,7 @@ class Batcher:
     def _deliver(self, job: Job, result: Any, error: BaseException | None) -> None:
         with self._cond:
             self._depth -= job.size
+            self.drain.add(job.size, time.monotonic())
         self._report_depth()
 
         def resolve():
