@@ -181,6 +181,8 @@ def check_train_step(seq: int = 4096, steps: int = 3, text_overrides: dict | Non
 
     from configs import qwen3_vl_30b_a3b
     from rm_jax.model import registry
+    from rm_jax.run_config import model_config, parse
+    from rm_jax.sharding import make_mesh
     from rm_jax.train import loop, optim
     from rm_jax.train.step import StepBatch, StepBuilder, host_batch_to_device
 
@@ -195,12 +197,13 @@ def check_train_step(seq: int = 4096, steps: int = 3, text_overrides: dict | Non
     cfg.mesh.fsdp = n_dev
     a, b = 2, n_dev                                    # 2 microbatches of one sequence per device
     cfg.train.grad_accum, cfg.train.global_batch = a, a * b
-    mcfg = loop.model_config(cfg)
-    mesh = loop.make_mesh(cfg.mesh, num_experts=mcfg.text.num_experts, global_batch=b)
+    run = parse(cfg)
+    mcfg = model_config(run)
+    mesh = make_mesh(run.mesh, num_experts=mcfg.text.num_experts, global_batch=b)
     t0 = time.time()
-    model, mcfg = loop.build_model(cfg, mesh)
-    ocfg = dataclasses.replace(optim.OptimConfig.from_config(cfg.train), total_steps=100, warmup_steps=1)
-    builder = StepBuilder(model, optim.make_optimizer(ocfg, model), loop.step_config(cfg), mesh, optim.schedule(ocfg))
+    model, mcfg = loop.build_model(run, mesh)
+    ocfg = dataclasses.replace(optim.OptimConfig.from_config(run.train), total_steps=100, warmup_steps=1)
+    builder = StepBuilder(model, optim.make_optimizer(ocfg, model), loop.step_config(run), mesh, optim.schedule(ocfg))
     state = builder.init_state()
     init_s = time.time() - t0
 
@@ -259,15 +262,15 @@ def check_score_throughput(n: int = 192, batch: int = 32) -> dict:
     from rm_jax.data.render import Renderer
     from rm_jax.data.schema import Sample, read_samples
     from rm_jax.model import registry
+    from rm_jax.run_config import model_config, parse
     from rm_jax.score.scorer import Scorer
-    from rm_jax.train import loop
 
     cfg = load_config(DEFAULT_CONFIG)
     with tempfile.TemporaryDirectory() as tmp:
         synth.write_dataset(tmp, n=n, seed=0)
         renderer = Renderer.from_config(cfg.data, os.path.join(tmp, "tokenizer"))
         samples = [s for s in read_samples(os.path.join(tmp, "samples.jsonl")) if isinstance(s, Sample)]
-        model = registry.init_model(loop.model_config(cfg), seed=0)
+        model = registry.init_model(model_config(parse(cfg)), seed=0)
         scorer = Scorer(model, renderer, buckets=tuple(cfg.data.buckets), batch_size=batch, progress=False)
         scorer.p_pass(samples)                  # compile every bucket the samples need
         t0 = time.perf_counter()

@@ -298,6 +298,7 @@ def compile_variant(name, f):
     import importlib
 
     from rm_jax.model import registry
+    from rm_jax.run_config import model_config, parse
     from rm_jax.sharding import make_mesh
     from rm_jax.train import loop, optim
     from rm_jax.train.step import StepBuilder
@@ -325,8 +326,9 @@ def compile_variant(name, f):
     a, gb, t = int(acc or f.grad_accum), f.global_batch, f.seq
     cfg.train.grad_accum = a
     b = gb // a
-    mcfg = loop.model_config(cfg)
-    mesh = make_mesh(cfg.mesh, num_experts=mcfg.text.num_experts, global_batch=b)
+    run = parse(cfg)
+    mcfg = model_config(run)
+    mesh = make_mesh(run.mesh, num_experts=mcfg.text.num_experts, global_batch=b)
     patches = f.patches_per_sample * b if images else 0
     compiled_cfg = compiled_config(cfg, f)
     from rm_jax.model import moe as moe_lib
@@ -345,9 +347,9 @@ def compile_variant(name, f):
 
     t0 = time.time()
     model = registry.abstract_model(mcfg)
-    ocfg = dataclasses.replace(optim.OptimConfig.from_config(cfg.train), total_steps=2299)
+    ocfg = dataclasses.replace(optim.OptimConfig.from_config(run.train), total_steps=2299)
     optimizer = optim.make_optimizer(ocfg, model)
-    step_cfg = loop.step_config(cfg)
+    step_cfg = loop.step_config(run)
     # StepBuilder only splits the model in __init__; init_state() would allocate, so the state is
     # built here with eval_shape and the builder's shardings are read off the ShapeDtypeStructs.
     builder = StepBuilder(model, optimizer, step_cfg, mesh, optim.schedule(ocfg))

@@ -180,7 +180,7 @@ def main(argv):
     from rm_jax.score.reward import RewardSettings
     from rm_jax.serve.app import ServeSettings, create_app
     from rm_jax.serve.engine import Engine
-    from rm_jax.train.loop import model_config
+    from rm_jax.run_config import model_config, parse
 
     import jax
     f = flags.FLAGS
@@ -196,8 +196,9 @@ def main(argv):
     cfg = get_config()
     renderer = Renderer.from_config(cfg.data, os.path.join(data, "tokenizer"))
     cfg.model.text_config.vocab_size = len(renderer.tokenizer)
-    model = init_model(model_config(cfg), seed=0)
-    engine = Engine(model=model, renderer=renderer, run_cfg=cfg, step=0, workdir=tmp, max_batch=f.max_batch,
+    run = parse(cfg)
+    model = init_model(model_config(run), seed=0)
+    engine = Engine(model=model, renderer=renderer, run_cfg=run, step=0, workdir=tmp, max_batch=f.max_batch,
                     max_new_tokens=f.max_new_tokens, reward=RewardSettings())
     with open(os.path.join(data, "samples.jsonl")) as fh:
         pool = [json.loads(line) for line in fh]

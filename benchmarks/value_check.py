@@ -33,15 +33,18 @@ def main(argv):
     from configs import tiny
     from rm_jax.data import loader as loader_lib
     from rm_jax.model import load_hf
-    from rm_jax.train import loop
+    from rm_jax.run_config import parse
+    from rm_jax.train.data_plan import BatchStream, RunPlan, loader_config
+    from rm_jax.train.host_batch import ValueCheck
     f = flags.FLAGS
     cfg = tiny.get_config()
     cfg.data.dir, cfg.train.value_check_weight, cfg.train.value_check_rate = f.data, 1.0, 1.0
     cfg.seed = f.seed
+    run = parse(cfg)
     manifest = loader_lib.read_manifest(f.data)
-    check = loop.ValueCheck.from_config(cfg, manifest)
-    plan = loop.RunPlan(total_steps=1, micro_batch=16, accumulation=1, steps_per_epoch=1.0)
-    stream = loop.BatchStream(f.data, "heldout", loop.loader_config(cfg, plan, split="heldout"), 1)
+    check = ValueCheck.from_config(run, manifest)
+    plan = RunPlan(total_steps=1, micro_batch=16, accumulation=1, steps_per_epoch=1.0)
+    stream = BatchStream(f.data, "heldout", loader_config(run, plan, split="heldout"), 1)
     model = load_hf(f.hf)[0]
     fail_id, pass_id = manifest["verdict_tokens"]["fail_id"], manifest["verdict_tokens"]["pass_id"]
     swapped, score, absent = [], [], []

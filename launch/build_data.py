@@ -13,7 +13,7 @@ import sys
 
 from absl import app, flags, logging
 
-from launch.common import define_config_flag
+from launch.common import define_config_flag, parse_config
 
 _INPUT = flags.DEFINE_string("input", None, "samples JSONL (DESIGN §4 contract)", required=True)
 _OUT = flags.DEFINE_string("out", None, "output directory for shards and reports", required=True)
@@ -26,10 +26,10 @@ def main(argv):
     from rm_jax.data import build as build_lib
     from rm_jax.data.render import Renderer, resolve_tokenizer_dir
 
-    cfg = _CONFIG.value
+    cfg = parse_config(_CONFIG.value)
     if not os.path.isfile(_INPUT.value):
         raise app.UsageError(f"--input={_INPUT.value}: no such file (a samples JSONL, DESIGN §4)")
-    tok_dir = resolve_tokenizer_dir(_TOKENIZER.value or cfg.data.get("tokenizer", ""), _INPUT.value)
+    tok_dir = resolve_tokenizer_dir(_TOKENIZER.value or cfg.data.tokenizer, _INPUT.value)
     opts = build_lib.BuildOptions.from_config(cfg.data)
     renderer = Renderer.from_config(cfg.data, tok_dir, storage_dtype=opts.pixel_dtype)
     try:

@@ -1,4 +1,4 @@
-"""What every entry point shares: the default config path and config flag."""
+"""What every entry point shares: the default config path, the config flag and its parsing."""
 
 from __future__ import annotations
 
@@ -13,6 +13,18 @@ DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "tiny.py")
 def define_config_flag(default: str = DEFAULT_CONFIG):
     """`--config=configs/X.py --config.a.b=v` (ml_collections)."""
     return config_flags.DEFINE_config_file("config", default, "ml_collections config file", lock_config=False)
+
+
+def parse_config(cfg):
+    """The run config, parsed once into typed records (rm_jax.run_config); everything below the
+    launcher receives those. An unknown key or a bad value is a usage error naming its path."""
+    from absl import app
+
+    from rm_jax import run_config
+    try:
+        return run_config.parse(cfg)
+    except ValueError as e:
+        raise app.UsageError(f"--config: {e}") from None
 
 
 def load_config(path: str):

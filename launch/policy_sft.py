@@ -21,7 +21,7 @@ import sys
 
 from absl import app, flags, logging
 
-from launch.common import DEFAULT_CONFIG, REPO_ROOT, define_config_flag
+from launch.common import DEFAULT_CONFIG, REPO_ROOT, define_config_flag, parse_config
 
 _INPUT = flags.DEFINE_string("input", None, "samples JSONL (docs/contracts.md)", required=True)
 _OUT = flags.DEFINE_string("out", None, "stage directory", required=True)
@@ -79,8 +79,8 @@ def main(argv):
         raise app.UsageError(f"--input={_INPUT.value}: no such file (a samples JSONL, docs/contracts.md)")
     config_path = os.path.abspath(flags.FLAGS["config"].config_filename)
     overrides = config_overrides(sys.argv[1:])
-    cfg = _CONFIG.value
-    tok_dir = os.path.abspath(resolve_tokenizer_dir(_TOKENIZER.value or cfg.data.get("tokenizer", ""), input_path))
+    cfg = parse_config(_CONFIG.value)
+    tok_dir = os.path.abspath(resolve_tokenizer_dir(_TOKENIZER.value or cfg.data.tokenizer, input_path))
     key = cache_key(input_path, tok_dir, config_path, overrides, _STEPS.value)
     if not _FORCE.value and cached(out, key):
         print(f"policy stage cached ({key[:12]}): reusing {out}/hf")

@@ -2,7 +2,8 @@
 
   python -m launch.rm_build --input=FILE --out=DIR [--config=configs/rm_tiny.py --tokenizer=DIR]
 
-Writes DIR/{train,calibration,heldout}.npz + .groups.jsonl, stats.json (truncation / overlength /
+Writes DIR/{train,calibration,heldout}-NNNNN.array_record (one record per prompt group) +
+{split}_pairs_index.npz, stats.json (truncation / overlength /
 missing-EOS rates, filter reasons), rejects.jsonl, manifest.json; prints stats.json.
 """
 
@@ -13,7 +14,7 @@ import os
 
 from absl import app, flags
 
-from launch.common import define_config_flag
+from launch.common import define_config_flag, parse_config
 
 _INPUT = flags.DEFINE_string("input", None, "preference JSONL", required=True)
 _OUT = flags.DEFINE_string("out", None, "output directory", required=True)
@@ -27,10 +28,10 @@ def main(argv):
     from rm_jax.rm import build
     from rm_jax.rm.render import RMRenderer
 
-    cfg = _CONFIG.value
+    cfg = parse_config(_CONFIG.value)
     if not os.path.isfile(_INPUT.value):
         raise app.UsageError(f"--input={_INPUT.value}: no such file (a preference JSONL)")
-    tok_dir = resolve_tokenizer_dir(_TOKENIZER.value or cfg.data.get("tokenizer", ""), _INPUT.value)
+    tok_dir = resolve_tokenizer_dir(_TOKENIZER.value or cfg.data.tokenizer, _INPUT.value)
     renderer = RMRenderer(Renderer.from_config(cfg.data, tok_dir, storage_dtype="float16"))
     stats = build.build(_INPUT.value, _OUT.value, renderer, build.PairBuildOptions.from_config(cfg.data),
                         tokenizer_dir=tok_dir)

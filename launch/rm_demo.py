@@ -16,7 +16,7 @@ import time
 
 from absl import app, flags
 
-from launch.common import load_config, quiet_library_info
+from launch.common import load_config, parse_config, quiet_library_info
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/rm_demo", "demo directory (recreated)")
 _PROMPTS = flags.DEFINE_integer("prompts", 400, "synthetic prompts (groups)")
@@ -39,6 +39,7 @@ def main(argv):
     cfg.rm.steps = _STEPS.value
     cfg.rm.checkpoint_every = _STEPS.value
     cfg.train.tensorboard = False
+    cfg = parse_config(cfg)
     data, pairs, run = (os.path.join(wd, d) for d in ("data", "pairs", "run"))
     summary = synth_prefs.write_preferences(data, _PROMPTS.value, k=_K.value, seed=int(cfg.seed))
     print("synthetic preferences:", json.dumps(summary))

@@ -13,7 +13,7 @@ import json
 
 from absl import app, flags
 
-from launch.common import define_config_flag, quiet_library_info
+from launch.common import define_config_flag, parse_config, quiet_library_info
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory", required=True)
 _DATA = flags.DEFINE_string("data", None, "built pair data (launch.rm_build --out)", required=True)
@@ -25,7 +25,7 @@ def main(argv):
     quiet_library_info()
     from rm_jax.rm import train
 
-    print(json.dumps(train.run(_CONFIG.value, _WORKDIR.value, _DATA.value), default=str))
+    print(json.dumps(train.run(parse_config(_CONFIG.value), _WORKDIR.value, _DATA.value), default=str))
 
 
 if __name__ == "__main__":

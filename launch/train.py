@@ -14,7 +14,7 @@ import json
 
 from absl import app, flags
 
-from launch.common import define_cluster_flags, define_config_flag, quiet_library_info
+from launch.common import define_cluster_flags, define_config_flag, parse_config, quiet_library_info
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory", required=True)
 _CLUSTER = define_cluster_flags()
@@ -28,8 +28,9 @@ def main(argv):
     quiet_library_info()
     from rm_jax.train import distributed, loop
 
+    cfg = parse_config(_CONFIG.value)
     line = distributed.initialize(_CLUSTER())
-    result = loop.run(_CONFIG.value, _WORKDIR.value, cluster_line=line)
+    result = loop.run(cfg, _WORKDIR.value, cluster_line=line)
     print(json.dumps({k: v for k, v in result.items() if k != "last_metrics"} | {"last": result["last_metrics"]},
                      default=str))
 

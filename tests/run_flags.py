@@ -1,4 +1,9 @@
-"""Command-line overrides for the tiny training runs that tests start as `launch.train` subprocesses."""
+"""Command-line overrides for the tiny training runs that tests start as `launch.train` subprocesses,
+and the same run config in process."""
+
+import ml_collections
+
+from rm_jax.run_config import RunConfig, parse
 
 # Wall-clock figures in metrics.jsonl: left out when two runs' rows are compared.
 TIMING = {"tokens_per_s", "samples_per_s"}
@@ -18,12 +23,19 @@ def override_flags(train: dict) -> list[str]:
     return [f"--config.train.{k}={v}" for k, v in train.items()] + [f"--config.{k}={v}" for k, v in SMALL_MODEL.items()]
 
 
-def train_cfg(tiny_cfg, shards: str, **train):
-    """The tiny config on ``shards`` with OVERRIDES, ``train`` overrides and the small model (in process)."""
+def train_cfg(tiny_cfg, shards: str, *, data: dict | None = None, moe: dict | None = None,
+              model: dict | None = None, **train) -> RunConfig:
+    """The tiny config on ``shards`` with OVERRIDES, ``train`` overrides and the small model (or
+    ``model``, a whole model section), plus ``data`` / ``moe`` overrides, parsed (in process)."""
     cfg = tiny_cfg.copy_and_resolve_references()
     cfg.data.dir = shards
+    cfg.data.update(data or {})
+    cfg.moe.update(moe or {})
     cfg.train.update({**OVERRIDES, **train})
-    cfg.model.text_config.num_hidden_layers = 2
-    cfg.model.vision_config.depth = 1
-    cfg.model.vision_config.deepstack_visual_indexes = (0,)
-    return cfg
+    if model is not None:
+        cfg.model = ml_collections.ConfigDict(model)
+    else:
+        cfg.model.text_config.num_hidden_layers = 2
+        cfg.model.vision_config.depth = 1
+        cfg.model.vision_config.deepstack_visual_indexes = (0,)
+    return parse(cfg)

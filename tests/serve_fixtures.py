@@ -47,7 +47,7 @@ def make_judge_workdir(root, tiny_cfg, shards_dir: str, renderer, *, steps=(1,),
 
     from rm_jax.model import init_model
     from rm_jax.train.checkpoint import CheckpointOptions, Checkpointer
-    from rm_jax.train.loop import model_config
+    from rm_jax.run_config import model_config, parse
     from rm_jax.train.step import TrainState
 
     workdir = os.path.join(str(root), "judge_run")
@@ -62,7 +62,7 @@ def make_judge_workdir(root, tiny_cfg, shards_dir: str, renderer, *, steps=(1,),
         json.dump({"config": cfg.to_dict(), "data_dir": os.path.abspath(shards_dir)}, f)
     ck = Checkpointer(os.path.join(workdir, "checkpoints"), CheckpointOptions(async_save=False))
     for k, step in enumerate(steps):
-        model = init_model(model_config(cfg), seed=seed + k)
+        model = init_model(model_config(parse(cfg)), seed=seed + k)
         ck.save(int(step), TrainState(step=jnp.asarray(int(step)), params=nnx.state(model, nnx.Param), opt_state={}),
                 {})
     ck.close()

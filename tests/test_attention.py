@@ -109,14 +109,14 @@ def test_gpu_choices_are_config_keys_validated_by_name(tiny_cfg):
     import os
     from launch.common import load_config
     from rm_jax.model import registry
-    from rm_jax.train import loop
+    from rm_jax.run_config import model_config, parse
     cfg = tiny_cfg.copy_and_resolve_references()
     cfg.moe.ragged_dot, cfg.train.attention = "lax", "xla"
     from flax import nnx
 
     from rm_jax.model.layers import Attention
     from rm_jax.model.moe import SparseMoeBlock
-    model = registry.abstract_model(loop.model_config(cfg))
+    model = registry.abstract_model(model_config(parse(cfg)))
     nodes = [node for _, node in nnx.iter_graph(model)]
     moes = [n for n in nodes if isinstance(n, SparseMoeBlock)]
     attns = [n for n in nodes if isinstance(n, Attention)]
@@ -127,7 +127,7 @@ def test_gpu_choices_are_config_keys_validated_by_name(tiny_cfg):
         section, key = field.split(".")
         bad[section][key] = value
         with pytest.raises(ValueError, match=rf"{field}='{value}'"):
-            loop.model_config(bad)
+            parse(bad)
     big = load_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "qwen3_vl_30b_a3b.py"))
     assert (big.train.attention, big.moe.ragged_dot, big.moe.backend, dict(big.mesh)["fsdp"]) == \
         ("cudnn", "tokamax", "ragged", 8)

@@ -219,11 +219,11 @@ def test_export_streams_shards_with_host_memory_bounded_by_one_shard(tiny_cfg, t
     from flax import nnx
 
     from rm_jax.model import registry
-    from rm_jax.train import loop
+    from rm_jax.run_config import model_config, parse
     cfg = tiny_cfg.copy_and_resolve_references()
     t = cfg.model.text_config
     t.hidden_size, t.moe_intermediate_size, t.intermediate_size, t.num_hidden_layers = 256, 256, 512, 12
-    model = registry.init_model(loop.model_config(cfg), seed=0)
+    model = registry.init_model(model_config(parse(cfg)), seed=0)
     export_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))) // 2
 
     def peak(max_shard: int, name: str) -> tuple[int, int]:

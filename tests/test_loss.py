@@ -80,7 +80,7 @@ def test_target_budget_guard():
 
 def test_verdict_weight_is_a_weighted_token_mean():
     """A target mask holding weights (train.verdict_weight) weights each token's NLL and the count."""
-    from rm_jax.train.loop import weighted_target_mask
+    from rm_jax.train.host_batch import weighted_target_mask
     rng = np.random.default_rng(2)
     B, T, D, V = 2, 12, 6, 29
     final = rng.normal(size=(B, T, D)).astype(np.float32)

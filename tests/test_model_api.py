@@ -9,12 +9,12 @@ from rm_jax.model import registry
 
 
 def test_cached_split_sees_in_place_updates_and_attribute_changes(tiny_cfg):
-    from rm_jax.train.loop import model_config
+    from rm_jax.run_config import model_config, parse
     cfg = tiny_cfg.copy_and_resolve_references()
     cfg.model.text_config.num_hidden_layers = 2
     cfg.model.vision_config.depth = 1
     cfg.model.vision_config.deepstack_visual_indexes = (0,)
-    model = registry.init_model(model_config(cfg))
+    model = registry.init_model(model_config(parse(cfg)))
     ids = np.arange(20, 52).reshape(2, 16)
     before = np.asarray(model(ids))
     assert model.split_cached() is model.split_cached()
@@ -37,10 +37,10 @@ def test_takes_a_qwen_vl_processor_output_as_is(tiny_cfg):
     import transformers
     from PIL import Image
 
-    from rm_jax.train.loop import model_config
+    from rm_jax.run_config import model_config, parse
     cfg = tiny_cfg.copy_and_resolve_references()
     cfg.model.text_config.num_hidden_layers = 1
-    mcfg = model_config(cfg)
+    mcfg = model_config(parse(cfg))
     model = registry.init_model(mcfg)
     vc = mcfg.vision
     image_processor = transformers.Qwen2VLImageProcessor(

@@ -12,6 +12,8 @@ import pytest
 
 from rm_jax.data import schema
 from rm_jax.data.policy import NOT_PASSING, PolicyRenderer
+from rm_jax.run_config import adopt_init_config, model_config, parse
+from rm_jax.sharding import make_mesh
 from rm_jax.train import loop
 from run_flags import OVERRIDES
 
@@ -93,7 +95,7 @@ def test_policy_export_then_init_from_is_bit_identical(tiny_cfg, synth_dir, tmp_
     from rm_jax.data.policy import build_policy_shards
     from rm_jax.score.checkpoints import load_judge
     cfg = tiny_cfg.copy_and_resolve_references()
-    build_policy_shards(os.path.join(synth_dir, "samples.jsonl"), str(tmp_path / "shards"), cfg,
+    build_policy_shards(os.path.join(synth_dir, "samples.jsonl"), str(tmp_path / "shards"), parse(cfg),
                         os.path.join(synth_dir, "tokenizer"))
     cfg.data.dir = str(tmp_path / "shards")
     cfg.data.oversample_fail = 1
@@ -102,7 +104,7 @@ def test_policy_export_then_init_from_is_bit_identical(tiny_cfg, synth_dir, tmp_
     cfg.model.text_config.num_hidden_layers = 2
     cfg.model.vision_config.depth = 1
     cfg.model.vision_config.deepstack_visual_indexes = (0,)
-    loop.run(cfg, str(tmp_path / "policy"), progress=False)
+    loop.run(parse(cfg), str(tmp_path / "policy"), progress=False)
     # The CLI a user runs (and launch.policy_sft runs): its own process, its own flags.
     subprocess.run([sys.executable, "-m", "launch.convert", "--to_hf", f"--ckpt={tmp_path / 'policy'}",
                     f"--out={tmp_path / 'hf'}"], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
@@ -110,8 +112,8 @@ def test_policy_export_then_init_from_is_bit_identical(tiny_cfg, synth_dir, tmp_
 
     judge_cfg = tiny_cfg.copy_and_resolve_references()
     judge_cfg.train.init_from = str(tmp_path / "hf")
-    loop.adopt_init_config(judge_cfg)
-    mesh = loop.make_mesh(judge_cfg.mesh, num_experts=int(judge_cfg.model.text_config.num_experts), global_batch=8)
+    judge_cfg = adopt_init_config(parse(judge_cfg))
+    mesh = make_mesh(judge_cfg.mesh, num_experts=model_config(judge_cfg).text.num_experts, global_batch=8)
     started, _ = loop.build_model(judge_cfg, mesh)
     ours, theirs = (dict(nnx.to_flat_state(nnx.state(m, nnx.Param))) for m in (started, trained))
     assert ours.keys() == theirs.keys()

@@ -40,8 +40,8 @@ def rm_cfg(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def mcfg(rm_cfg):
-    from rm_jax.train.loop import model_config
-    return model_config(rm_cfg)
+    from rm_jax.run_config import model_config, parse
+    return model_config(parse(rm_cfg))
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +151,8 @@ def _batch(mcfg, rows, t, n_micro, seed=0):
 def _one_step(tiny_cfg, mcfg, mesh, micros):
     from rm_jax.rm import train
     rm = init_reward_model(mcfg, seed=0)
-    from rm_jax.rm.step import place_model
-    place_model(rm, mesh)
+    from rm_jax.model import placement
+    placement.place_params(rm, mesh)
     builder = train.make_builder(tiny_cfg, rm, mesh, total_steps=10)
     state = builder.init_state()
     state, metrics = builder.train(state, data_lib.assemble(micros, True))

@@ -72,8 +72,8 @@ def test_mimetic_init_ties_queries_to_keys():
     gain; nothing else (the vision tower included) changes."""
     from configs import tiny
     from rm_jax.model import mimetic_init, registry
-    from rm_jax.train import loop
-    mcfg = loop.model_config(tiny.get_config())
+    from rm_jax.run_config import model_config, parse
+    mcfg = model_config(parse(tiny.get_config()))
     plain, mimetic = registry.init_model(mcfg, 0), registry.init_model(mcfg, 0)
     assert mimetic_init.apply(mimetic, 1.5) > 0
     flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(nnx.state(mimetic))[0]}

@@ -60,8 +60,9 @@ def test_constrain_shards_and_tolerates_indivisible(devices8):
 def test_scoring_mesh_falls_back_when_the_run_mesh_does_not_fit(tiny_cfg):
     """A run trained on more devices than the scoring host has is scored data-parallel."""
     import jax
+    from rm_jax.run_config import parse
     from rm_jax.score.checkpoints import scoring_mesh
     cfg = tiny_cfg.copy_and_resolve_references()
     cfg.mesh.data = 2 * jax.device_count()
-    mesh = scoring_mesh(cfg)
+    mesh = scoring_mesh(parse(cfg))
     assert mesh.devices.size == jax.device_count() and mesh.shape["data"] == jax.device_count()

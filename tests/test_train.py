@@ -1,6 +1,7 @@
 """Trainer: one trace per run, sharded == single-device, kill -9 + resume == uninterrupted,
 a damaged checkpoint falls back, the oversampled stream is visible in the metrics."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -13,7 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from rm_jax.data import loader as loader_lib
+from rm_jax.run_config import model_config
+from rm_jax.sharding import make_mesh
 from rm_jax.train import loop, optim
+from rm_jax.train.data_plan import BatchStream, RunPlan, loader_config
+from rm_jax.train.evaluate import VerdictSlot, evaluate
+from rm_jax.train.host_batch import TokenWeights, assemble, context_mask, frame_capacity
 from rm_jax.train.metrics_log import read_metrics
 from rm_jax.train.step import StepBuilder, StepConfig, host_batch_to_device
 from rm_jax.train.loss import LossConfig
@@ -45,9 +52,9 @@ def test_run_traces_once_and_logs(tiny_cfg, built_shards, tmp_path):
 
 def _two_steps(cfg, mesh_shape, backend, devices):
     """Two train steps of ``cfg`` on a mesh: (metrics 1, metrics 2, params) on the host."""
-    cfg.moe.backend = backend
-    mesh = loop.make_mesh(mesh_shape, devices=devices, num_experts=8, global_batch=8)
-    plan = loop.RunPlan(total_steps=2, micro_batch=8, accumulation=1, steps_per_epoch=10.0)
+    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, backend=backend))
+    mesh = make_mesh(mesh_shape, devices=devices, num_experts=8, global_batch=8)
+    plan = RunPlan(total_steps=2, micro_batch=8, accumulation=1, steps_per_epoch=10.0)
     model, mcfg = loop.build_model(cfg, mesh)
     # Adam's first update is g / (|g| + eps): with eps=1e-8 a near-zero gradient (a rarely seen
     # token's embedding row) becomes a +-lr step whose sign is summation-order noise.
@@ -56,9 +63,9 @@ def _two_steps(cfg, mesh_shape, backend, devices):
                           StepConfig(LossConfig(96, 512), lb_coef=0.01, context_weight=0.5, context_tokens=32),
                           mesh, optim.schedule(ocfg))
     state = builder.init_state()
-    stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, plan, split="train"), 1)
-    host = loop.assemble(mcfg, stream.next(), loop.frame_capacity(cfg, mcfg),
-                         loop.TokenWeights(context_tokens=32, image_token_id=mcfg.image_token_id))
+    stream = BatchStream(cfg.data.dir, "train", loader_config(cfg, plan, split="train"), 1)
+    host = assemble(mcfg, stream.next(), frame_capacity(cfg, mcfg),
+                         TokenWeights(context_tokens=32, image_token_id=mcfg.image_token_id))
     batch = host_batch_to_device(host.batch, builder.batch_shardings(host.batch))
     with jax.set_mesh(mesh):
         fn = builder.jit_train(state, batch)
@@ -87,9 +94,7 @@ def test_sharded_step_equals_single_device(tiny_cfg, built_shards):
 def _qwen35_cfg(tiny_cfg, shards):
     """The tiny run config with a Qwen3.5-MoE model section (GDN + gated attention + shared expert)
     that reads the tiny tokenizer's shards: its vocabulary and image token ids."""
-    import ml_collections
-    cfg = _cfg(tiny_cfg, shards)
-    tiny = cfg.model.to_dict()
+    tiny = tiny_cfg.model.to_dict()
     text = dict(vocab_size=tiny["text_config"]["vocab_size"], hidden_size=32, num_hidden_layers=2,
                 layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -101,11 +106,10 @@ def _qwen35_cfg(tiny_cfg, shards):
     vision = {k: tiny["vision_config"][k] for k in ("hidden_size", "intermediate_size", "num_heads", "in_channels",
                                                     "patch_size", "spatial_merge_size", "temporal_patch_size",
                                                     "num_position_embeddings")}
-    cfg.model = ml_collections.ConfigDict(dict(
+    return _cfg(tiny_cfg, shards, model=dict(
         model_type="qwen3_5_moe", tie_word_embeddings=False, text_config=text,
         vision_config=dict(vision, depth=1, out_hidden_size=32),
         **{k: tiny[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}))
-    return cfg
 
 
 @pytest.mark.slow   # three compiles of the hybrid step (~2-4 min on 2 cores): `make test-slow`
@@ -177,11 +181,10 @@ def test_kill9_resume_and_damaged_fallback(built_shards, tmp_path):
 @pytest.mark.parametrize("factor", [3, 1])
 def test_oversampling_visible_in_training_stream(tiny_cfg, built_shards, factor):
     # built with the config's x3: data.oversample_fail=1 at train time must still give the label share
-    cfg = _cfg(tiny_cfg, built_shards[0])
-    cfg.data.oversample_fail = factor
-    plan = loop.RunPlan(total_steps=1, micro_batch=8, accumulation=1, steps_per_epoch=1.0)
-    stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, plan, split="train"), 1)
-    labels = loop.loader_lib.records.load_index(cfg.data.dir, "train")["label"]
+    cfg = _cfg(tiny_cfg, built_shards[0], data=dict(oversample_fail=factor))
+    plan = RunPlan(total_steps=1, micro_batch=8, accumulation=1, steps_per_epoch=1.0)
+    stream = BatchStream(cfg.data.dir, "train", loader_config(cfg, plan, split="train"), 1)
+    labels = loader_lib.records.load_index(cfg.data.dir, "train")["label"]
     epoch = len(labels) + (factor - 1) * int(labels.sum())
     seen = fails = 0
     while seen < epoch - epoch % 8:
@@ -199,11 +202,11 @@ def test_expert_grads_in_compute_dtype(tiny_cfg, built_shards):
     already bf16-valued, so only its storage shrinks. Same loss and gradients bit for bit, an fp32
     accumulator; a dtype other than the compute dtype is refused."""
     cfg = _cfg(tiny_cfg, built_shards[0], dtype="bfloat16", global_batch=4)
-    mesh = loop.make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=2)
-    plan = loop.RunPlan(total_steps=1, micro_batch=2, accumulation=2, steps_per_epoch=10.0)
+    mesh = make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=2)
+    plan = RunPlan(total_steps=1, micro_batch=2, accumulation=2, steps_per_epoch=10.0)
     model, mcfg = loop.build_model(cfg, mesh)
-    stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, plan, split="train"), 2)
-    host = loop.assemble(mcfg, stream.next(), loop.frame_capacity(cfg, mcfg))
+    stream = BatchStream(cfg.data.dir, "train", loader_config(cfg, plan, split="train"), 2)
+    host = assemble(mcfg, stream.next(), frame_capacity(cfg, mcfg))
     ocfg = optim.OptimConfig(lr=1e-3, warmup_steps=1, total_steps=2)
     out = {}
     for grad_dt, accum_dt in (("", ""), ("bfloat16", ""), ("bfloat16", "bfloat16")):
@@ -273,7 +276,7 @@ def test_bf16_second_moment_tracks_fp32_adam():
 def test_resume_refuses_checkpoints_trained_on_other_data(tmp_path):
     """A workdir's checkpoints resume only on the shards they were trained on."""
     import json
-    from rm_jax.train.loop import check_resume_data
+    from rm_jax.train.run_manifest import check_resume_data
     from rm_jax.utils import file_sha256
     data = tmp_path / "shards"
     data.mkdir()
@@ -308,7 +311,7 @@ def test_init_from_hf_of_other_sizes_with_frozen_vision_then_scored(tiny_cfg, bu
     records it, so the scorer rebuilds the model that was trained. freeze_vision keeps the
     tower's weights exactly while the rest trains."""
     from flax import nnx
-    from test_model_parity import build_hf, parity_hf_config
+    from hf_reference import build_hf, parity_hf_config
 
     from rm_jax.model import load_hf
     from rm_jax.score.checkpoints import load_judge
@@ -333,11 +336,11 @@ def test_init_from_hf_of_other_sizes_with_frozen_vision_then_scored(tiny_cfg, bu
 def test_token_ids_beyond_the_model_vocab_are_refused(tiny_cfg, built_shards):
     import dataclasses
     cfg = _cfg(tiny_cfg, built_shards[0])
-    mcfg = loop.model_config(cfg)
+    mcfg = model_config(cfg)
     small = dataclasses.replace(mcfg, text=dataclasses.replace(mcfg.text, vocab_size=16))
-    stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, loop.RunPlan(2, 8, 1, 1.0), split="train"), 1)
+    stream = BatchStream(cfg.data.dir, "train", loader_config(cfg, RunPlan(2, 8, 1, 1.0), split="train"), 1)
     with pytest.raises(ValueError, match="vocab_size 16"):
-        loop.assemble(small, stream.next(), loop.frame_capacity(cfg, mcfg))
+        assemble(small, stream.next(), frame_capacity(cfg, mcfg))
 
 
 def test_every_checkpoint_damaged_starts_over_with_them_set_aside(tmp_path):
@@ -375,14 +378,14 @@ def test_context_mask_marks_the_prompt_tail_before_the_target():
     target[2, 5:8] = 1
     b = {"input_ids": ids, "target_mask": target, "example_valid": np.array([1, 1, 1, 0]),
          "label": np.array([0, 0, 1, 0])}
-    got = loop.context_mask(b, 4, img, passing_only=False)
+    got = context_mask(b, 4, img, passing_only=False)
     want = np.zeros(ids.shape, np.float32)
     want[0, [4, 5]] = 1           # tokens 2..5, less the two image pads
     want[1, [1, 2]] = 1           # K reaches past the start: token 0 has no predecessor
     want[2, 1:5] = 1
     np.testing.assert_array_equal(got, want)
     want[2] = 0                   # a failing response is not modelled with passing_only
-    np.testing.assert_array_equal(loop.context_mask(b, 4, img, passing_only=True), want)
+    np.testing.assert_array_equal(context_mask(b, 4, img, passing_only=True), want)
 
 
 @pytest.mark.slow   # an off-by-default loss term (train.context_lm_weight=0): suite time
@@ -390,17 +393,15 @@ def test_context_lm_term_is_the_prompt_tail_nll_added_with_its_weight(tiny_cfg, 
     """`context_loss` is the mean next-token NLL (from the model's own logits) over the marked
     prompt tokens; the objective is `loss + weight * context_loss`; `loss` stays target-only."""
     cfg = _cfg(tiny_cfg, built_shards[0], context_lm_weight=0.5, context_lm_tokens=24)
-    mesh = loop.make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=4)
-    plan = loop.RunPlan(total_steps=1, micro_batch=4, accumulation=1, steps_per_epoch=10.0)
+    mesh = make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=4)
+    plan = RunPlan(total_steps=1, micro_batch=4, accumulation=1, steps_per_epoch=10.0)
     model, mcfg = loop.build_model(cfg, mesh)
-    stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, plan, split="train"), 1)
+    stream = BatchStream(cfg.data.dir, "train", loader_config(cfg, plan, split="train"), 1)
     micro = stream.next()
-    host = loop.assemble(mcfg, micro, loop.frame_capacity(cfg, mcfg), loop.TokenWeights.from_config(cfg, mcfg))
+    host = assemble(mcfg, micro, frame_capacity(cfg, mcfg), TokenWeights.from_config(cfg.train, mcfg))
     ctx = host.batch.context_mask[0]
-    no_budget = cfg.copy_and_resolve_references()
-    no_budget.train.context_lm_tokens = 0
     with pytest.raises(ValueError, match="needs train.context_lm_tokens > 0"):
-        loop.TokenWeights.from_config(no_budget, mcfg)
+        _cfg(tiny_cfg, built_shards[0], context_lm_weight=0.5, context_lm_tokens=0)
     first = np.argmax(micro[0]["target_mask"] > 0, axis=1)
     for row, f in enumerate(first):
         window = micro[0]["input_ids"][row, f - 24:f]
@@ -431,13 +432,12 @@ def test_validation_reads_the_scorers_p_pass_at_the_verdict_slot(tiny_cfg, synth
     """Held-out validation reads P(pass) from its own teacher-forced forward at verdict_pos - 1.
     Causal attention makes that the scorer's prompt + '{"l3": "' prefill: equal to 1e-5 on the
     same samples. evaluate() then logs the judge metrics beside val_loss, which is unchanged."""
-    from rm_jax.data import loader as loader_lib
     from rm_jax.data.records import encode, decode
     from rm_jax.data.schema import Sample, read_samples
     from rm_jax.score.scorer import Scorer
 
     cfg = _cfg(tiny_cfg, built_shards[0])
-    mesh = loop.make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=4)
+    mesh = make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=4)
     model, mcfg = loop.build_model(cfg, mesh)
     builder = StepBuilder(model, optim.make_optimizer(optim.OptimConfig(lr=1e-3, total_steps=1), model),
                           StepConfig(LossConfig(96, 512)), mesh, None)
@@ -451,7 +451,7 @@ def test_validation_reads_the_scorers_p_pass_at_the_verdict_slot(tiny_cfg, synth
     items = [decode(encode(ji, np.float32)) for _, ji in picked]      # exactly what a shard holds
     b = loader_lib.Collate(4, tuple(cfg.data.buckets), renderer.tokenizer.pad_token_id or 0,
                            mcfg.vision.patch_dim)(items)
-    batch = loop.assemble(mcfg, [b], loop.frame_capacity(cfg, mcfg)).batch
+    batch = assemble(mcfg, [b], frame_capacity(cfg, mcfg)).batch
     dev = host_batch_to_device(batch, builder.batch_shardings(batch))
     v = renderer.verdict
     for row, (s, _) in enumerate(picked):     # the slot's next token is the teacher's verdict
@@ -466,18 +466,18 @@ def test_validation_reads_the_scorers_p_pass_at_the_verdict_slot(tiny_cfg, synth
     np.testing.assert_allclose(p_eval, [x.p_pass for x in scored], atol=1e-5)
     np.testing.assert_allclose(m["loss_sum"] / m["target_tokens"], plain["loss"], rtol=1e-5)
 
-    plan = loop.RunPlan(total_steps=1, micro_batch=4, accumulation=1, steps_per_epoch=1.0)
-    slot = loop.VerdictSlot.from_manifest(loader_lib.read_manifest(cfg.data.dir))
-    assert slot == loop.VerdictSlot(v.pass_id, v.fail_id)
-    with_judge = loop.evaluate(builder, cfg, mcfg, state, plan, mesh, slot)
-    loss_only = loop.evaluate(builder, cfg, mcfg, state, plan, mesh, None)
+    plan = RunPlan(total_steps=1, micro_batch=4, accumulation=1, steps_per_epoch=1.0)
+    slot = VerdictSlot.from_manifest(loader_lib.read_manifest(cfg.data.dir))
+    assert slot == VerdictSlot(v.pass_id, v.fail_id)
+    with_judge = evaluate(builder, cfg, mcfg, state, plan, mesh, slot)
+    loss_only = evaluate(builder, cfg, mcfg, state, plan, mesh, None)
     assert set(loss_only) == {"val_loss"}
     np.testing.assert_allclose(with_judge["val_loss"], loss_only["val_loss"], rtol=1e-5)
     for key in ("val_auc", "val_middle_zone", "val_fail_f1", "val_accuracy", "val_majority_baseline",
                 "val_off_vocab_mass"):
         assert key in with_judge, key
     assert 0.0 <= with_judge["val_middle_zone"] <= 1.0
-    assert loop.VerdictSlot.from_manifest({"verdict_tokens": {"pass_id": 1, "fail_id": 2},
+    assert VerdictSlot.from_manifest({"verdict_tokens": {"pass_id": 1, "fail_id": 2},
                                            "field_order": ["reason", "issues", "img", "l3"]}) is None
 
 
@@ -524,14 +524,14 @@ def test_grad_accumulation_equals_one_large_batch(tiny_cfg, built_shards):
     the step's global token count), the gradient norm and the AdamW update. The load-balancing term
     is off: it is a per-microbatch statistic averaged over microbatches, not a big-batch one."""
     cfg = _cfg(tiny_cfg, built_shards[0], global_batch=16, grad_accum=4)
-    mesh = loop.make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=4)
-    plan = loop.RunPlan(total_steps=2, micro_batch=4, accumulation=4, steps_per_epoch=10.0)
+    mesh = make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=4)
+    plan = RunPlan(total_steps=2, micro_batch=4, accumulation=4, steps_per_epoch=10.0)
     model, mcfg = loop.build_model(cfg, mesh)
-    stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, plan, split="train"), 4)
+    stream = BatchStream(cfg.data.dir, "train", loader_config(cfg, plan, split="train"), 4)
     micro = stream.next()
-    capacity = loop.frame_capacity(cfg, mcfg)
-    accumulated = loop.assemble(mcfg, micro, capacity).batch
-    large = loop.assemble(mcfg, [_merge_micro(micro)], capacity).batch
+    capacity = frame_capacity(cfg, mcfg)
+    accumulated = assemble(mcfg, micro, capacity).batch
+    large = assemble(mcfg, [_merge_micro(micro)], capacity).batch
     assert accumulated.target_mask.shape[:2] == (4, 4) and large.target_mask.shape[:2] == (1, 16)
     assert sum(int(b["image_grid_thw"].prod(-1).astype(bool).sum()) for b in micro) > 0     # images included
     import optax

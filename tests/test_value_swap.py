@@ -13,7 +13,10 @@ from rm_jax.data import synth, value_swap
 from rm_jax.data.render import RESPONSE_HEADER
 from rm_jax.data.schema import Sample, read_samples
 from rm_jax.data.value_swap import VALUE_KEPT, VALUE_OFF, VALUE_SWAPPED, ValueClasses, swap_batch
+from rm_jax.sharding import make_mesh
 from rm_jax.train import loop, optim
+from rm_jax.train.data_plan import BatchStream, RunPlan, loader_config
+from rm_jax.train.host_batch import TokenWeights, ValueCheck, assemble, frame_capacity
 from rm_jax.train.step import StepBuilder
 from run_flags import train_cfg
 
@@ -125,15 +128,15 @@ def test_value_term_is_the_verdict_token_nll_at_the_labelled_values(tiny_cfg, bu
     from the model's own logits) at the labelled positions, added to the objective with its weight."""
     data_dir, result = built_shards
     cfg = _cfg(tiny_cfg, data_dir, value_check_weight=0.5, value_check_rate=0.7)
-    mesh = loop.make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=8)
-    plan = loop.RunPlan(total_steps=1, micro_batch=8, accumulation=1, steps_per_epoch=10.0)
+    mesh = make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=8)
+    plan = RunPlan(total_steps=1, micro_batch=8, accumulation=1, steps_per_epoch=10.0)
     model, mcfg = loop.build_model(cfg, mesh)
-    stream = loop.BatchStream(cfg.data.dir, "train", loop.loader_config(cfg, plan, split="train"), 1)
+    stream = BatchStream(cfg.data.dir, "train", loader_config(cfg, plan, split="train"), 1)
     micro = stream.next()
-    check = loop.ValueCheck.from_config(cfg, result.manifest)
-    host = loop.assemble(mcfg, micro, loop.frame_capacity(cfg, mcfg), loop.TokenWeights.from_config(cfg, mcfg),
+    check = ValueCheck.from_config(cfg, result.manifest)
+    host = assemble(mcfg, micro, frame_capacity(cfg, mcfg), TokenWeights.from_config(cfg.train, mcfg),
                          check, step=0)
-    again = loop.assemble(mcfg, micro, loop.frame_capacity(cfg, mcfg), loop.TokenWeights.from_config(cfg, mcfg),
+    again = assemble(mcfg, micro, frame_capacity(cfg, mcfg), TokenWeights.from_config(cfg.train, mcfg),
                           check, step=0)
     np.testing.assert_array_equal(host.batch.inputs.input_ids_bt, again.batch.inputs.input_ids_bt)
     vt = host.batch.value_target[0]
@@ -164,14 +167,13 @@ def test_value_term_is_the_verdict_token_nll_at_the_labelled_values(tiny_cfg, bu
 
 def test_value_check_refuses_data_without_classes(tiny_cfg, built_shards):
     cfg = _cfg(tiny_cfg, built_shards[0], value_check_weight=1.0)
-    assert loop.ValueCheck.from_config(_cfg(tiny_cfg, built_shards[0]), {}) is None     # off: nothing read
+    assert ValueCheck.from_config(_cfg(tiny_cfg, built_shards[0]), {}) is None     # off: nothing read
     with pytest.raises(ValueError, match="rebuild them"):
-        loop.ValueCheck.from_config(cfg, {})
+        ValueCheck.from_config(cfg, {})
     with pytest.raises(ValueError, match="no value classes"):
-        loop.ValueCheck.from_config(cfg, {"value_classes": []})
+        ValueCheck.from_config(cfg, {"value_classes": []})
     with pytest.raises(ValueError, match="value_check_rate"):
-        loop.ValueCheck.from_config(_cfg(tiny_cfg, built_shards[0], value_check_weight=1.0, value_check_rate=0.0),
-                                    built_shards[1].manifest)
+        _cfg(tiny_cfg, built_shards[0], value_check_weight=1.0, value_check_rate=0.0)
     with pytest.raises(ValueError, match="verdict_tokens"):
         loop.step_config(cfg, {})
 

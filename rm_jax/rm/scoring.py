@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import os
 
-import ml_collections
 import numpy as np
 
+from rm_jax import run_config
 from rm_jax.data.render import Renderer
 from rm_jax.rm import benchmarks as bench_lib
 from rm_jax.rm import data as data_lib
@@ -20,7 +20,7 @@ class TrainedRM:
     def __init__(self, workdir: str, step: int | None = None):
         with open(os.path.join(workdir, "manifest.json")) as f:
             self.manifest = json.load(f)
-        self.cfg = ml_collections.ConfigDict(self.manifest["config"])
+        self.cfg = run_config.parse(self.manifest["config"])
         self.builder, state, self.step, self.mcfg = train.restore_latest(self.cfg, workdir, step)
         self.params = state.params
         self.data_dir = self.manifest["data_dir"]

@@ -11,7 +11,6 @@ summed gradient is the gradient of the whole step's loss. The MoE load-balancing
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import flax.struct
@@ -20,13 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
+from rm_jax.model import placement
 from rm_jax.rm.data import RMBatch
 from rm_jax.rm.head import RewardModel
 from rm_jax.rm.loss import PairLossConfig, weighted_pair_loss
-from rm_jax.sharding import logical_to_spec
-from rm_jax.train.step import place
 
 
 @flax.struct.dataclass
@@ -42,26 +39,6 @@ class RMStepConfig:
     lb_coef: float = 0.0
 
 
-def _spec_for(mesh, shape, names) -> PartitionSpec:
-    spec = logical_to_spec(names or (None,) * len(shape))
-    fixed = []
-    for dim, entry in zip(shape, spec):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        size = math.prod(mesh.shape[a] for a in axes) if axes else 1
-        fixed.append(entry if size > 1 and dim % size == 0 else None)
-    return PartitionSpec(*fixed)
-
-
-def place_model(model: nnx.Module, mesh) -> None:
-    """Every variable onto the mesh by its logical names (a dim the axes do not divide is replicated)."""
-    state = nnx.state(model)
-    placed = jax.tree.map(
-        lambda v: v.replace(jax.device_put(v.get_value(), NamedSharding(
-            mesh, _spec_for(mesh, v.shape, v.get_metadata().get("out_sharding"))))),
-        state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    nnx.update(model, placed)
-
-
 class RMStepBuilder:
     def __init__(self, model: RewardModel, optimizer: optax.GradientTransformation, cfg: RMStepConfig, mesh):
         self.graphdef, self._params, self.rest = nnx.split(model, nnx.Param, ...)
@@ -70,14 +47,10 @@ class RMStepBuilder:
         self._train = self._score = None
 
     def init_state(self) -> RMState:
-        from rm_jax.train.step import StepBuilder
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        # The judge step's rule (mu/nu take their parameter's sharding), called on this builder:
-        # it reads only `mesh` and `optimizer`, which both builders have.
-        opt_sh = StepBuilder.opt_state_shardings(self, self._params)
+        opt_sh = placement.opt_state_shardings(self.optimizer, self._params, self.mesh)
         with jax.set_mesh(self.mesh):
             opt_state = jax.jit(self.optimizer.init, out_shardings=opt_sh)(self._params)
-            step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+            step = jax.device_put(jnp.zeros((), jnp.int32), placement.replicated(self.mesh))
         return RMState(step=step, params=self._params, opt_state=opt_state)
 
     # -- pure functions ---------------------------------------------------------------------
@@ -122,36 +95,20 @@ class RMStepBuilder:
 
     def batch_shardings(self, batch: RMBatch) -> RMBatch:
         """Candidate rows sharded over the batch axes (dim 1 after [A]); pair arrays replicated."""
-        batch_axes = logical_to_spec(("batch",))[0]
-        n = int(np.prod([self.mesh.shape[a] for a in batch_axes]))
-        rep = NamedSharding(self.mesh, PartitionSpec())
-
-        def rows(x, dim):
-            if x is None:
-                return None
-            dims = [None] * np.ndim(x)
-            if x.shape[dim] % n == 0:
-                dims[dim] = batch_axes
-            return NamedSharding(self.mesh, PartitionSpec(*dims))
-
-        inp = batch.inputs
-        return RMBatch(inputs=inp.replace(input_ids_bt=rows(inp.input_ids_bt, 1),
-                                          attention_mask_bt=rows(inp.attention_mask_bt, 1),
-                                          positions_3bt=rows(inp.positions_3bt, 2),
-                                          image_index_bt=rows(inp.image_index_bt, 1),
-                                          kv_lengths_b=rows(inp.kv_lengths_b, 1),
-                                          vision=None if inp.vision is None else jax.tree.map(lambda _: rep, inp.vision)),
-                       response_mask=rows(batch.response_mask, 1), pair_a=rep, pair_b=rep, pair_p=rep, pair_m=rep,
+        rows = lambda x: placement.rows_sharding(x, 1, self.mesh)
+        rep = placement.replicated(self.mesh)
+        return RMBatch(inputs=placement.inputs_shardings(batch.inputs, self.mesh, lead=1),
+                       response_mask=rows(batch.response_mask), pair_a=rep, pair_b=rep, pair_p=rep, pair_m=rep,
                        pair_w=rep)
 
     def to_device(self, batch: RMBatch) -> RMBatch:
-        return jax.tree.map(place, batch, self.batch_shardings(batch))
+        return placement.place_tree(batch, self.batch_shardings(batch))
 
     def jit_train(self, state: RMState, batch: RMBatch):
         if self._train is None:
             state_sh = jax.tree.map(lambda x: x.sharding, state)
             rest_sh = jax.tree.map(lambda x: x.sharding, self.rest)
-            rep = NamedSharding(self.mesh, PartitionSpec())
+            rep = placement.replicated(self.mesh)
             self._train = jax.jit(self._train_step, in_shardings=(state_sh, rest_sh, self.batch_shardings(batch)),
                                   out_shardings=(state_sh, rep), donate_argnums=(0,))
         return self._train
@@ -163,7 +120,7 @@ class RMStepBuilder:
     def score(self, params, batch: RMBatch) -> np.ndarray:
         """Rewards [A, C] of a batch's rows (no gradient)."""
         if self._score is None:
-            self._score = jax.jit(self._score_step, out_shardings=NamedSharding(self.mesh, PartitionSpec()))
+            self._score = jax.jit(self._score_step, out_shardings=placement.replicated(self.mesh))
         dev = self.to_device(batch)
         out = []
         with jax.set_mesh(self.mesh):

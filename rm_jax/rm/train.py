@@ -20,21 +20,23 @@ from rm_jax.rm import data as data_lib
 from rm_jax.rm.head import HEAD_DEFINITION, RewardModel, init_reward_model
 from rm_jax.rm.loss import PairLossConfig
 from rm_jax.rm.render import REWARD_POSITION_RULE
-from rm_jax.rm.step import RMStepBuilder, RMStepConfig, place_model
+from rm_jax.rm.step import RMStepBuilder, RMStepConfig
+from rm_jax.model import load_hf, placement
+from rm_jax.run_config import RunConfig, model_config
 from rm_jax.sharding import make_mesh
-from rm_jax.train import loop as train_loop
+from rm_jax.train.host_batch import frame_capacity
 from rm_jax.train import optim
 from rm_jax.train.checkpoint import Checkpointer, CheckpointOptions, abstract_like
 from rm_jax.train.metrics_log import MetricsWriter
 
 
-def batch_shape(cfg, mcfg, length: int) -> data_lib.BatchShape:
+def batch_shape(cfg: RunConfig, mcfg, length: int) -> data_lib.BatchShape:
     r = cfg.rm
     return data_lib.BatchShape(rows=int(r.rows), pairs=int(r.pairs), length=length, max_patches=int(r.max_patches),
-                               max_images=int(r.max_images), frame_capacity=train_loop.frame_capacity(cfg, mcfg))
+                               max_images=int(r.max_images), frame_capacity=frame_capacity(cfg, mcfg))
 
 
-def run_length(cfg, data_dir: str) -> int:
+def run_length(cfg: RunConfig, data_dir: str) -> int:
     with open(os.path.join(data_dir, "stats.json")) as f:
         longest = int(json.load(f)["max_length"])
     buckets = sorted(int(b) for b in cfg.data.buckets)
@@ -44,18 +46,17 @@ def run_length(cfg, data_dir: str) -> int:
     return fits[0]
 
 
-def build_reward_model(cfg, mesh) -> tuple[RewardModel, object]:
-    mcfg = train_loop.model_config(cfg)
+def build_reward_model(cfg: RunConfig, mesh) -> tuple[RewardModel, object]:
+    mcfg = model_config(cfg)
     backbone = None
     if cfg.train.init_from:
-        from rm_jax.model import load_hf
         backbone, mcfg = load_hf(cfg.train.init_from, dtype=cfg.train.param_dtype, runtime=mcfg.runtime)
     model = init_reward_model(mcfg, int(cfg.seed), backbone)
-    place_model(model, mesh)
+    placement.place_params(model, mesh)
     return model, mcfg
 
 
-def make_builder(cfg, model: RewardModel, mesh, total_steps: int) -> RMStepBuilder:
+def make_builder(cfg: RunConfig, model: RewardModel, mesh, total_steps: int) -> RMStepBuilder:
     from flax import nnx
     ocfg = optim.OptimConfig.from_config(cfg.train)
     ocfg = optim.OptimConfig(**{**ocfg.__dict__, "total_steps": total_steps})
@@ -65,7 +66,7 @@ def make_builder(cfg, model: RewardModel, mesh, total_steps: int) -> RMStepBuild
     return RMStepBuilder(model, optim.make_optimizer(ocfg, params), scfg, mesh)
 
 
-def restore_latest(cfg, workdir: str, step: int | None = None):
+def restore_latest(cfg: RunConfig, workdir: str, step: int | None = None):
     """(builder, state, step, mcfg) of a trained workdir (for evaluation)."""
     mesh = make_mesh(cfg.mesh)
     model, mcfg = build_reward_model(cfg, mesh)
@@ -78,7 +79,7 @@ def restore_latest(cfg, workdir: str, step: int | None = None):
     return builder, restored.state, restored.step, mcfg
 
 
-def run(cfg, workdir: str, data_dir: str) -> dict:
+def run(cfg: RunConfig, workdir: str, data_dir: str) -> dict:
     if jax.process_count() > 1:
         raise ValueError("rm training runs in one process")
     os.makedirs(workdir, exist_ok=True)
@@ -103,7 +104,7 @@ def run(cfg, workdir: str, data_dir: str) -> dict:
     if restored is not None:
         state, start = restored.state, restored.step
         logging.info("resumed at step %d", start)
-    metrics_out = MetricsWriter(workdir, resume_step=start, tensorboard=bool(cfg.train.get("tensorboard", False)))
+    metrics_out = MetricsWriter(workdir, resume_step=start, tensorboard=cfg.train.tensorboard)
     manifest = {"config": cfg.to_dict(), "data_dir": os.path.abspath(data_dir), "data_manifest": data_manifest,
                 "head_definition": HEAD_DEFINITION, "reward_position_rule": REWARD_POSITION_RULE,
                 "run_length": length, "objective": "bradley_terry"}

@@ -1,7 +1,7 @@
 """Load a trained judge from a training workdir: ``load_judge(W, step=None) -> (model, config, step)``.
 
 * **The model comes from the run's own manifest.** ``W/manifest.json`` holds the full run config;
-  ``train.loop.model_config`` turns it into the ``ModelConfig`` the trainer used, and
+  ``rm_jax.run_config`` parses it and ``model_config`` turns it into the ``ModelConfig`` the trainer used, and
   ``registry.abstract_model`` gives the module tree without allocating anything.
 * **Only the params are read.** Training checkpoints hold ``state`` (a ``TrainState``: step, params,
   optimizer state -- twice the params again for Adam) and ``data`` (the Grain iterator). Scoring
@@ -17,21 +17,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
+from rm_jax import run_config
 from rm_jax.model.interface import JudgeModel
 from rm_jax.model.placement import param_shardings
 from rm_jax.model.registry import abstract_model
+from rm_jax.run_config import RunConfig
+from rm_jax.sharding import MeshConfigError, make_mesh
 
 
-def read_run_config(workdir: str) -> ml_collections.ConfigDict:
+def read_run_config(workdir: str) -> RunConfig:
+    """The run config a training workdir recorded in its manifest, parsed (``rm_jax.run_config``)."""
     path = os.path.join(workdir, "manifest.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no training manifest (is {workdir} a launch.train --workdir?)")
@@ -39,7 +43,10 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
         manifest = json.load(f)
     if "config" not in manifest:
         raise ValueError(f"{path}: field 'config' is missing")
-    return ml_collections.ConfigDict(manifest["config"])
+    try:
+        return run_config.parse(manifest["config"])
+    except ValueError as e:
+        raise ValueError(f"{path}: field 'config': {e}") from None
 
 
 def run_data_dir(workdir: str) -> str:
@@ -72,16 +79,15 @@ def list_steps(workdir: str) -> list[int]:
         return sorted(manager.all_steps())
 
 
-def scoring_mesh(cfg):
+def scoring_mesh(cfg: RunConfig):
     """The run's mesh over the devices present; when it does not fit them (trained on 8 GPUs,
     scored on 1), data parallelism over whatever is here: the params are resharded on restore."""
-    from rm_jax.sharding import MeshConfigError, make_mesh
-    experts = int(cfg.model.text_config.num_experts)
+    experts = run_config.model_config(cfg).text.num_experts
     try:
         return make_mesh(cfg.mesh, num_experts=experts)
     except MeshConfigError as e:
         logging.warning("the run's mesh %s does not fit these %d device(s) (%s): scoring data-parallel "
-                        "over them instead", dict(cfg.mesh), jax.device_count(), e)
+                        "over them instead", dataclasses.asdict(cfg.mesh), jax.device_count(), e)
         return make_mesh(None, num_experts=experts)
 
 
@@ -89,10 +95,8 @@ def load_judge(workdir: str, step: int | None = None, *, mesh=None
                ) -> tuple[JudgeModel, object, int]:
     """Restore a training checkpoint's params into a (sharded) judge. ``mesh`` defaults to the
     run's mesh config over the devices present (``scoring_mesh``)."""
-    from rm_jax.train.loop import model_config
-
     cfg = read_run_config(workdir)
-    mcfg = model_config(cfg)
+    mcfg = run_config.model_config(cfg)
     if mesh is None:
         mesh = scoring_mesh(cfg)
     ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")

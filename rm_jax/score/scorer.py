@@ -59,12 +59,12 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from rm_jax.data import loader as loader_lib
 from rm_jax.data import target as target_lib
 from rm_jax.data.render import JudgeInput, Renderer
 from rm_jax.data.schema import Sample, render_error
+from rm_jax.model import placement
 from rm_jax.model.decode import SLOT_PATTERN, DecodeSpec, Decoder, slot_automaton, verdict_probabilities
 from rm_jax.model.interface import JudgeInputs, JudgeModel
 from rm_jax.model.registry import prepare_inputs
@@ -161,7 +161,7 @@ class Scorer:
         self.mesh = mesh if mesh is not None else getattr(model, "mesh", None)
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.share_prefix, self.min_shared_tokens = bool(share_prefix), int(min_shared_tokens)
-        # The run's patches-per-frame budget (``train.loop.frame_capacity``): one vision shape, and
+        # The run's patches-per-frame budget (``train.host_batch.frame_capacity``): one vision shape, and
         # image batches padded to an ImageLadder rung. None: powers of two that fit each batch.
         self.frame_capacity = None if frame_capacity is None else int(frame_capacity)
         self._ladder = None if frame_capacity is None else loader_lib.ImageLadder.for_frame_capacity(
@@ -491,12 +491,4 @@ class Scorer:
     def _to_device(self, inputs: JudgeInputs) -> JudgeInputs:
         if self.mesh is None:
             return inputs
-        mesh, axes = self.mesh, self._batch_spec
-        on_batch = lambda dim, nd: NamedSharding(mesh, PartitionSpec(*[axes if d == dim else None for d in range(nd)]))
-        put = lambda x, dim: None if x is None else jax.device_put(np.asarray(x), on_batch(dim, np.ndim(x)))
-        replicated = NamedSharding(mesh, PartitionSpec())
-        vision = None if inputs.vision is None else jax.tree.map(
-            lambda x: jax.device_put(np.asarray(x), replicated), inputs.vision)
-        return JudgeInputs(input_ids_bt=put(inputs.input_ids_bt, 0), attention_mask_bt=put(inputs.attention_mask_bt, 0),
-                           positions_3bt=put(inputs.positions_3bt, 1), image_index_bt=put(inputs.image_index_bt, 0),
-                           kv_lengths_b=put(inputs.kv_lengths_b, 0), vision=vision)
+        return placement.place_inputs(inputs, self.mesh)

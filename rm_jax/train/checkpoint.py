@@ -12,7 +12,7 @@
   rename already hides checkpoints whose save never finished.
 * Several processes: every process calls save and restore (Orbax writes each array's shards from
   the process that holds them and the JSON item from process 0, and synchronizes the commit);
-  the data item holds every process's iterator state (`loop.data_state_to_save`).
+  the data item holds every process's iterator state (`data_plan.data_state_to_save`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rm_jax.run_config import TrainSection
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -30,9 +32,9 @@ class OptimConfig:
     nu_dtype: str = ""            # "" = the param dtype; "bfloat16" halves the second moment (needs b2 <= 0.99)
 
     @classmethod
-    def from_config(cls, train_cfg) -> "OptimConfig":
-        return cls(**{f.name: type(f.default)(train_cfg[f.name]) for f in dataclasses.fields(cls)
-                      if f.name in train_cfg})
+    def from_config(cls, train: TrainSection) -> "OptimConfig":
+        """The run's ``train`` section; ``total_steps`` comes from the run plan."""
+        return cls(**{f.name: getattr(train, f.name) for f in dataclasses.fields(cls) if f.name != "total_steps"})
 
 
 def schedule(cfg: OptimConfig) -> optax.Schedule:

@@ -27,14 +27,12 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from rm_jax.model.decode import verdict_logits_at
+from rm_jax.model import placement
 from rm_jax.model.interface import JudgeInputs, JudgeModel
-from rm_jax.sharding import logical_to_spec
 from rm_jax.train.loss import LossConfig, target_cross_entropy, value_check_cross_entropy
 
 
@@ -121,25 +119,10 @@ class StepBuilder:
     # -- state --------------------------------------------------------------------------------
 
     def opt_state_shardings(self, params):
-        """Adam's mu/nu take their parameter's sharding; scalars (count) are replicated.
-        (`optimizer.init` under jit alone would replicate mu/nu: zeros_like carries no sharding.)"""
-        # Matched by path suffix, not with optax.tree_map_params: a frozen vision tower leaves
-        # MaskedNodes where parameters are (multi_transform), which that structural match rejects.
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        abstract = jax.eval_shape(self.optimizer.init, params)
-        by_path = {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
-
-        def sharding(path, leaf):
-            for i in range(len(path)):
-                param = by_path.get(jax.tree_util.keystr(tuple(path[i:])))
-                if param is not None and param.shape == leaf.shape:
-                    return param.sharding
-            return replicated
-
-        return jax.tree_util.tree_map_with_path(sharding, abstract)
+        return placement.opt_state_shardings(self.optimizer, params, self.mesh)
 
     def init_state(self) -> TrainState:
-        replicated = NamedSharding(self.mesh, PartitionSpec())
+        replicated = placement.replicated(self.mesh)
         with jax.set_mesh(self.mesh):
             opt_state = jax.jit(self.optimizer.init,
                                 out_shardings=self.opt_state_shardings(self._params))(self._params)
@@ -293,7 +276,7 @@ class StepBuilder:
         return batch_shardings(batch, self.mesh)
 
     def _replicated(self):
-        return NamedSharding(self.mesh, PartitionSpec())
+        return placement.replicated(self.mesh)
 
     def jit_train(self, state: TrainState, batch: StepBatch):
         """``batch``: a placed batch (its arrays' shardings are used) or this process's host batch."""
@@ -322,47 +305,13 @@ class StepBuilder:
 
 
 def batch_shardings(batch: StepBatch, mesh, process_count: int | None = None) -> StepBatch:
-    """Shardings of a step batch given as *this process's* host batch.
-
-    Token arrays shard their batch dim over the batch axes; their global batch is the local one
-    times the process count. Vision arrays are replicated and global on every host already
-    (patches of all images are concatenated, not laid out per example; `loop.gather_images`).
-    In one process a batch the batch axes do not divide stays unsharded; with several processes
-    that cannot work (each holds only its rows), so it is an error."""
-    batch_axes = logical_to_spec(("batch",))[0]
-    n_shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
-    n_proc = jax.process_count() if process_count is None else process_count
-
-    def spec(x, batch_dim):
-        if x is None:
-            return None
-        global_b = x.shape[batch_dim] * n_proc
-        ok = global_b % n_shards == 0
-        if not ok and n_proc > 1:
-            raise ValueError(f"global microbatch {global_b} ({n_proc} processes x {x.shape[batch_dim]}) is not "
-                             f"divisible by the mesh's batch axes {batch_axes} = {n_shards} devices")
-        dims = [None] * x.ndim
-        if ok:
-            dims[batch_dim] = batch_axes
-        return NamedSharding(mesh, PartitionSpec(*dims))
-
-    inp = batch.inputs
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return StepBatch(
-        inputs=JudgeInputs(input_ids_bt=spec(inp.input_ids_bt, 1), attention_mask_bt=spec(inp.attention_mask_bt, 1),
-                           positions_3bt=spec(inp.positions_3bt, 2),
-                           image_index_bt=spec(inp.image_index_bt, 1), kv_lengths_b=spec(inp.kv_lengths_b, 1),
-                           vision=None if inp.vision is None else jax.tree.map(lambda _: replicated, inp.vision)),
-        target_mask=spec(batch.target_mask, 1), context_mask=spec(batch.context_mask, 1),
-        value_target=spec(batch.value_target, 1))
-
-
-def place(x, sharding) -> jax.Array:
-    """One host array onto the mesh: this process's slice of a batch-sharded array, or the whole
-    of a replicated one. The one placement path for batches, in one process or several (a plain
-    `device_put` of a process's slice would treat it as the global array)."""
-    return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+    """Shardings of a step batch given as *this process's* host batch (rm_jax.model.placement:
+    rows over the batch axes after the [A] axis, image patches replicated)."""
+    rows = lambda x: placement.rows_sharding(x, 1, mesh, process_count)
+    return StepBatch(inputs=placement.inputs_shardings(batch.inputs, mesh, lead=1, process_count=process_count),
+                     target_mask=rows(batch.target_mask), context_mask=rows(batch.context_mask),
+                     value_target=rows(batch.value_target))
 
 
 def host_batch_to_device(batch: StepBatch, shardings) -> StepBatch:
-    return jax.tree.map(place, batch, shardings)
+    return placement.place_tree(batch, shardings)
