@@ -23,7 +23,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from rm_jax.eval.metrics import fail_indicator, safe_auc
+from rm_jax.metrics import fail_indicator, safe_auc
 
 FEATURES = ("chars", "words", "n_tool_calls", "has_text", "digits", "punctuation",
             "max_encode_depth", "newlines")

@@ -22,7 +22,7 @@ matplotlib.use("Agg")   # before pyplot: headless hosts have no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from rm_jax.eval.metrics import MIDDLE_ZONE, fail_indicator  # noqa: E402
+from rm_jax.metrics import MIDDLE_ZONE, fail_indicator  # noqa: E402
 from rm_jax.eval.selection import SweepRow  # noqa: E402
 
 _COLORS = {"pass": "tab:green", "fail": "tab:red"}

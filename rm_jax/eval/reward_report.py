@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rm_jax.eval.metrics import fail_indicator, safe_auc, to_jsonable
+from rm_jax.metrics import fail_indicator, safe_auc, to_jsonable
 
 ADVANTAGE_EPS = 1e-6      # the GRPO normalizer's epsilon
 ZERO_SPAN = 1e-9          # spans below this are ties (float noise in equal rewards)

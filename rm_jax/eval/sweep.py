@@ -25,7 +25,7 @@ from rm_jax.data.render import Renderer
 from rm_jax.data.schema import Sample, read_samples
 from rm_jax.eval import plots
 from rm_jax.eval.baseline import shortcut_baseline
-from rm_jax.eval.metrics import METRIC_KEYS, failures_by_issue, judge_metrics, to_jsonable
+from rm_jax.metrics import METRIC_KEYS, failures_by_issue, judge_metrics, to_jsonable
 from rm_jax.eval.reward_report import format_markdown, reward_report
 from rm_jax.eval.selection import SelectionRule, SweepRow, format_table, select_checkpoint
 from rm_jax.score.reward import RewardSettings, compute_reward, sample_has_image
