@@ -12,7 +12,7 @@ import torch
 
 from rm_jax.model import load_hf, save_hf
 from rm_jax.model.safetensors_io import CheckpointError, read_safetensors, write_safetensors
-from test_model_parity import build_hf, hf_forward, multimodal_batch, parity_hf_config, rel_err
+from hf_reference import build_hf, hf_forward, multimodal_batch, parity_hf_config, rel_err
 
 EXPERT_KEYS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 

@@ -9,7 +9,7 @@ import pytest
 
 from rm_jax.model import RuntimeOptions, load_hf
 from rm_jax.sharding import MeshShape, make_mesh
-from test_model_parity import IMAGE, VEND, VSTART, build_hf, parity_hf_config
+from hf_reference import IMAGE, VEND, VSTART, build_hf, parity_hf_config
 
 MESHES = [
     (MeshShape(data=8), "ragged"),

@@ -26,7 +26,7 @@ from rm_jax.model import decode
 from rm_jax.model.qwen3_5_moe.model import layer_period
 # The generic entry points: they dispatch on config.json's model_type (rm_jax.model.registry).
 from rm_jax.model import load_hf, save_hf
-from test_model_parity import IMAGE, VEND, VSTART, multimodal_batch, rel_err
+from hf_reference import IMAGE, VEND, VSTART, multimodal_batch, rel_err
 
 PATTERN = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
 
@@ -303,7 +303,7 @@ def test_scorer_p_pass_equals_transformers(renderer, synth_dir, tmp_path):
     samples = [s for s in got if s.images][:2] + [s for s in got if not s.images][:2]
     scorer = Scorer(model, renderer, field_order=VERDICT_FIRST, buckets=(512, 768, 1024), batch_size=2,
                     max_new_tokens=8, progress=False)
-    groups, alone = scorer._prefix_groups(scorer._render(samples)[0])
+    groups, alone = scorer.prefix_groups(scorer.render(samples)[0])
     assert groups, "no shared-prefix group: the decode_tokens path would go untested"
     scores = scorer.p_pass(samples)
     v = renderer.verdict
