@@ -15,12 +15,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rm_jax.model.decode_state import DecodeState, NewTokenState
 from rm_jax.model.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
-from rm_jax.model.interface import JudgeInputs, JudgeOutput
 from rm_jax.model.judge_module import JudgeModule
 from rm_jax.model.layer_stack import LayerSpec, LayerStack, group_layers, kind_offsets
 from rm_jax.model.layers import MLP, Attention, AttentionMask, RMSNorm, mrope_cos_sin, normal, param
+from rm_jax.model.records import DecodeState, JudgeInputs, JudgeOutput, NewTokenState
 
 SECTION = (4, 2, 2)      # MRoPE sections of a 16-dim head
 

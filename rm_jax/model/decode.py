@@ -70,8 +70,8 @@ import numpy as np
 from flax import nnx
 
 from rm_jax.model import decode_state
-from rm_jax.model.decode_state import DecodeState
-from rm_jax.model.interface import JudgeInputs, JudgeModel, StaticGraph
+from rm_jax.model.interface import JudgeModel, StaticGraph
+from rm_jax.model.records import DecodeState, JudgeInputs
 from rm_jax.sharding import constrain
 
 SLOT_PATTERN = '"l3": "'

@@ -1,14 +1,13 @@
-"""Decode state per layer kind: a KV cache for attention layers, a recurrent state for Gated
-DeltaNet layers, and the per-row bookkeeping both share.
+"""How the decode state grows: built from a prompt forward, rows taken for a shared prefix, new
+tokens written. The records themselves (``DecodeState``, ``KVState``, ``NewTokenState``) are in
+``rm_jax.model.records``.
 
 Design choices:
 
-* **One record per kind, stacked over the layers of that kind only.** ``KVState`` holds
-  ``[L_attn, B, S, K, Hd]`` keys/values of the attention layers in layer order;
-  ``recurrent`` is a ``GatedDeltaNetState`` whose fields carry a leading ``L_gdn`` axis (conv
-  history ``[L, B, W-1, C]`` and the fp32 delta-rule state ``[L, B, H, Dk, Dv]``). A model with
-  no layer of a kind has ``None`` there (Qwen3-VL: no recurrent state). A layer group finds its
-  slice of its kind's stack through ``layer_stack.kind_offsets``.
+* **One record per kind, stacked over the layers of that kind only** (``records``): a KV cache for
+  attention layers, a recurrent state for Gated DeltaNet layers (conv history ``[L, B, W-1, C]``
+  and the fp32 delta-rule state ``[L, B, H, Dk, Dv]``). A layer group finds its slice of its
+  kind's stack through ``layer_stack.kind_offsets``.
 * **The two kinds grow differently.** Attention appends: each new token's k/v is written at the
   row's next slot (``length_b``), and the key-length mask hides what lies beyond. A recurrent
   state is replaced: the model returns the state after the new tokens (pads leave it as it was),
@@ -19,46 +18,13 @@ Design choices:
 
 from __future__ import annotations
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rm_jax.model.gated_deltanet import GatedDeltaNetState
-from rm_jax.model.interface import JudgeOutput
+from rm_jax.model.records import DecodeState, JudgeOutput, KVState, NewTokenState
 from rm_jax.sharding import constrain
 
 _CACHE_NAMES = (None, "batch", None, "act_heads", None)
-
-
-@flax.struct.dataclass
-class KVState:
-    """Rotated keys and values of every attention layer, ``S`` slots per row."""
-    k_lbskh: jax.Array
-    v_lbskh: jax.Array
-
-
-@flax.struct.dataclass
-class DecodeState:
-    kv: KVState | None                       # attention layers (None: the model has none)
-    recurrent: GatedDeltaNetState | None     # GDN layers, stacked (None: the model has none)
-    length_b: jax.Array                      # tokens held per row = the next KV write slot
-    next_pos_b: jax.Array                    # MRoPE position (all three axes) of the next token
-
-    # Shorthands for the attention cache (the only kind Qwen3-VL has).
-    @property
-    def k_lbskh(self) -> jax.Array:
-        return self.kv.k_lbskh
-
-    @property
-    def v_lbskh(self) -> jax.Array:
-        return self.kv.v_lbskh
-
-
-@flax.struct.dataclass
-class NewTokenState:
-    """What ``decode_tokens`` adds for N new tokens per row (``DecodeState`` is not updated there)."""
-    kv: tuple | None                         # (k_lbnkh, v_lbnkh) of the attention layers
-    recurrent: GatedDeltaNetState | None     # the GDN layers' state after the new tokens
 
 
 def from_prefill(out: JudgeOutput, cache_len: int, lengths_b: jax.Array, next_pos_b: jax.Array) -> DecodeState:

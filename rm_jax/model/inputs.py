@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from rm_jax.model.interface import JudgeInputs
+from rm_jax.model.records import JudgeInputs
 from rm_jax.model.vision import vision_inputs
 
 

@@ -7,53 +7,20 @@ Design choices:
   ``JudgeInputs`` pytree, ``head_dv`` and ``final_norm`` for a chunked / sliced LM head, ``decode_tokens`` for cached decoding and ``param_shardings``. Architectures
   (``rm_jax.model.qwen3_vl_moe``, ``rm_jax.model.qwen3_5_moe``) implement it; nothing outside
   their packages names a model class.
-* **Records between stages.** ``JudgeInputs`` (built outside jit by ``rm_jax.model.inputs``) and
-  ``JudgeOutput`` are pytrees shared by every architecture. Decode state (a KV cache for
-  attention layers, a recurrent state for Gated DeltaNet layers) is ``rm_jax.model.decode_state``.
+* **Records between stages** (``JudgeInputs``, ``JudgeOutput``, the decode state) are pytrees
+  shared by every architecture, in ``rm_jax.model.records``; how a decode state grows is
+  ``rm_jax.model.decode_state``.
 * **StaticGraph** makes an NNX GraphDef a cheap ``jax.jit`` static argument (hashed once, interned).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-import flax.struct
 import jax
 from flax import nnx
 
-from rm_jax.model.moe import MoeAux
-from rm_jax.model.vision import VisionInputs
-
-if TYPE_CHECKING:
-    from rm_jax.model.decode_state import DecodeState, NewTokenState
-
-
-@flax.struct.dataclass
-class JudgeInputs:
-    input_ids_bt: jax.Array
-    attention_mask_bt: jax.Array
-    positions_3bt: jax.Array
-    image_index_bt: jax.Array | None = None     # row of the image features, -1 for other tokens
-    # Valid length of each row when every row's mask is a prefix of ones (right padding): then
-    # attention runs as causal + key lengths (the cuDNN flash path) instead of a [B,1,T,T] mask.
-    kv_lengths_b: jax.Array | None = None
-    vision: VisionInputs | None = None
-
-
-@flax.struct.dataclass
-class JudgeOutput:
-    logits_btv: jax.Array | None                # None with forward_arrays(logits=False)
-    layer_hidden_lbtd: jax.Array | None = None  # output of each decoder layer (pre-deepstack)
-    inputs_embeds_btd: jax.Array | None = None  # after image splicing
-    final_hidden_btd: jax.Array | None = None   # after the final norm
-    image_embeds_nd: jax.Array | None = None    # merged image features [N/m^2, D]
-    deepstack_embeds: tuple | None = None       # one [N/m^2, D] per deepstack tap
-    moe_aux: MoeAux | None = None               # stacked over sparse layers, in layer order
-    # forward_arrays(return_kv=True), the prefill of a decode state (rm_jax.model.decode_state):
-    kv_lbtkh: tuple | None = None               # (k, v) of every attention layer, in layer order
-    recurrent: Any = None                       # GatedDeltaNetState stacked over the GDN layers
-
-
+from rm_jax.model.records import DecodeState, JudgeInputs, JudgeOutput, NewTokenState
 
 
 @runtime_checkable
@@ -76,8 +43,8 @@ class JudgeModel(Protocol):
     def final_norm(self, x_btd: jax.Array) -> jax.Array:
         """The norm before the LM head."""
 
-    def decode_tokens(self, state: "DecodeState", tokens_bn: jax.Array,
-                      valid_bn: jax.Array | None = None) -> "tuple[jax.Array, NewTokenState]":
+    def decode_tokens(self, state: DecodeState, tokens_bn: jax.Array,
+                      valid_bn: jax.Array | None = None) -> tuple[jax.Array, NewTokenState]:
         """``N`` new text tokens per row after the cached ones: the last layer's output ``x_bnd``
         (before the final norm) and what each layer kind adds to the state (the caller writes it,
         rm_jax.model.decode). ``valid_bn`` False marks right padding the recurrent state skips."""

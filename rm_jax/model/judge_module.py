@@ -20,7 +20,8 @@ import jax
 from flax import nnx
 
 from rm_jax.model.inputs import check_processor_extras, prepare_inputs
-from rm_jax.model.interface import JudgeInputs, JudgeOutput, StaticGraph
+from rm_jax.model.interface import StaticGraph
+from rm_jax.model.records import JudgeInputs, JudgeOutput
 from rm_jax.model.placement import param_shardings
 
 

@@ -29,15 +29,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rm_jax.model.gated_attention import GatedAttention
-from rm_jax.model.decode_state import DecodeState, NewTokenState
 from rm_jax.model.gated_deltanet import GatedDeltaNet
-from rm_jax.model.interface import JudgeInputs, JudgeOutput
 from rm_jax.model.judge_module import JudgeModule
 from rm_jax.model.layer_stack import REMAT_POLICIES, LayerStack
 from rm_jax.model.layers import (AttentionMask, ZeroCenteredRMSNorm, as_dtype, causal_padding_mask, mrope_cos_sin,
                                  normal, param)
 from rm_jax.model.moe import MoeConfig
 from rm_jax.model.qwen3_5_moe.config import Qwen35MoeConfig
+from rm_jax.model.records import DecodeState, JudgeInputs, JudgeOutput, NewTokenState
 from rm_jax.model.shared_expert import SharedExpertMoeBlock
 from rm_jax.model.vision import VisionModel
 from rm_jax.sharding import constrain

@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rm_jax.model.decode_state import DecodeState, NewTokenState
-from rm_jax.model.interface import JudgeInputs, JudgeOutput
+from rm_jax.model.records import DecodeState, JudgeInputs, JudgeOutput, NewTokenState
 from rm_jax.model.judge_module import JudgeModule
 from rm_jax.model.layer_stack import LayerGroup, LayerSpec, LayerStack, group_layers, kind_offsets
 from rm_jax.model.layers import (MLP, Attention, AttentionMask, RMSNorm, as_dtype, causal_padding_mask,
