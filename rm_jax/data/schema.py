@@ -27,23 +27,14 @@ import dataclasses
 import json
 import math
 import os
-import re
 from typing import Any, Iterator
+
+from rm_jax.data.string_values import (MAX_ARG_DECODES, decode_repeated, is_remote_image_ref,
+                                       looks_like_image_ref, remote_image_text)
+from rm_jax.data.tool_content import parse_tool_content
 
 ROLES = ("system", "user", "assistant", "tool")
 VERDICTS = ("pass", "fail")
-MAX_ARG_DECODES = 4
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
-_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def is_remote_image_ref(source: Any) -> bool:
-    """A URL that is not a local file (http(s), gs, s3, ...): shown as text, never loaded."""
-    return isinstance(source, str) and bool(_URL_SCHEME.match(source)) and not source.lower().startswith("file://")
-
-
-def remote_image_text(source: str) -> str:
-    return f"[image: {source}]"
 
 
 class SampleError(ValueError):
@@ -176,15 +167,6 @@ def resolve_image(source: Any, base_dir: str, field: str) -> ImageRef:
     return ImageRef(os.path.normpath(path), field)
 
 
-def looks_like_image_ref(value: Any) -> bool:
-    """Strings inside tool results that denote images (JSON fields become placeholders)."""
-    if not isinstance(value, str):
-        return False
-    if value.startswith("data:image/"):
-        return True
-    return value.lower().endswith(IMAGE_EXTENSIONS) and "\n" not in value and len(value) < 1024
-
-
 def _parse_parts(content: Any, base_dir: str, field: str) -> tuple[Part, ...]:
     if content is None:
         return ()
@@ -225,17 +207,8 @@ def decode_arguments(arguments: Any, max_decodes: int = MAX_ARG_DECODES) -> tupl
         return arguments, 0, True
     if not isinstance(arguments, str):
         return arguments, 0, False
-    value: Any = arguments
-    for depth in range(1, max_decodes + 1):
-        try:
-            value = json.loads(value)
-        except (json.JSONDecodeError, TypeError):
-            return arguments, depth - 1, False
-        if isinstance(value, dict):
-            return value, depth, True
-        if not isinstance(value, str):
-            return arguments, depth, False
-    return arguments, max_decodes, False
+    value, depth = decode_repeated(arguments, max_decodes)
+    return (value, depth, True) if isinstance(value, dict) else (arguments, depth, False)
 
 
 def _parse_tool_calls(calls: Any, field: str) -> tuple[ToolCall, ...]:
@@ -341,7 +314,6 @@ def parse_sample(obj: Any, *, line: int, base_dir: str, require_label: bool = Tr
 
 
 def _tool_content_has_image(messages: tuple[Message, ...]) -> bool:
-    from rm_jax.data.tool_content import parse_tool_content  # local: avoids an import cycle
     for m in messages:
         if m.role == "tool":
             for p in m.parts:

@@ -6,7 +6,7 @@ them (up to the same 4 levels as tool-call arguments), print a compact ``key: va
 cut the text at every image field so the image itself goes to the vision input at that spot,
 right after the file name (``image: images/g.png <image>``; a data URI shows only the image).
 A remote reference (``https://...``, ``gs://...``) is only text, ``[image: URL]``: it is never
-fetched (schema.is_remote_image_ref).
+fetched (string_values.is_remote_image_ref).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 import json
 from typing import Any
 
-from rm_jax.data.schema import MAX_ARG_DECODES, is_remote_image_ref, looks_like_image_ref, remote_image_text
+from rm_jax.data.string_values import decode_repeated, is_remote_image_ref, looks_like_image_ref, remote_image_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,18 +31,6 @@ class ToolContent:
 @dataclasses.dataclass(frozen=True)
 class ImageField:
     source: str   # as written in the tool result (relative path or data URI)
-
-
-def _decode_json(text: str) -> Any:
-    value: Any = text
-    for _ in range(MAX_ARG_DECODES):
-        if not isinstance(value, str):
-            break
-        try:
-            value = json.loads(value)
-        except (json.JSONDecodeError, TypeError):
-            break
-    return value if isinstance(value, (dict, list)) else None
 
 
 def _scalar(v: Any) -> str:
@@ -92,8 +80,8 @@ def _emit(value: Any, out: list, top: bool = False) -> None:
 
 def parse_tool_content(text: str) -> ToolContent:
     """Compact a tool result; non-JSON content is kept verbatim (it is what the policy saw)."""
-    value = _decode_json(text)
-    if value is None:
+    value, _ = decode_repeated(text)
+    if not isinstance(value, (dict, list)):
         return ToolContent((text,))
     out: list = []
     _emit(value, out, top=True)
