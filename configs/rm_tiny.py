@@ -19,8 +19,9 @@ def get_config() -> ml_collections.ConfigDict:
     cfg.train.warmup_steps = 20
     cfg.rm = ml_collections.ConfigDict(dict(
         steps=240,
-        rows=8,                  # candidate sequences per microbatch (whole prompt groups)
-        pairs=16,                # pair slots per microbatch
+        groups=2,                # prompt groups per (global) microbatch: whole groups, a multiple of the processes
+        rows=8,                  # candidate rows per microbatch: rows/groups per group (synthetic groups: 4)
+        pairs=12,                # pair slots per microbatch: pairs/groups per group (4 candidates: 6 pairs)
         grad_accum=1,
         group_normalize=True,    # mean within each prompt, then over prompts
         center_coef=0.01,        # coef * ((r_a + r_b) / 2)^2: fixes the reward's zero

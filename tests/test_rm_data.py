@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rm_jax.rm import benchmarks, build, synth_prefs
+from rm_jax.rm import benchmarks, build, pair_loader, pair_records, synth_prefs
 from rm_jax.rm import data as data_lib
 from rm_jax.rm.prefs import expand_ranking
 from rm_jax.rm.render import RMRenderer
@@ -23,6 +23,12 @@ def test_expand_ranking():
 def _line(pid, responses, **extra):
     return {"id": pid, "prompt_id": pid, "messages": [{"role": "user", "content": "draw a red star please"}],
             "candidates": [{"response": {"content": r}} for r in responses], **extra}
+
+
+@pytest.fixture(scope="module")
+def mcfg_text(tiny_cfg):
+    from rm_jax.run_config import model_config, parse
+    return model_config(parse(tiny_cfg))
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +86,89 @@ def test_splits_grouped_and_prefix_shared(built, renderer):
     assert {"train", "calibration", "heldout"} == set(seen.values())
 
 
-def test_pack_keeps_groups_whole(built):
+def _loader_cfg(**kw):
+    base = dict(groups=4, rows=16, pairs=12, length=512, max_patches=64, max_images=4, frame_capacity=64, seed=3)
+    return pair_loader.PairLoaderConfig(**(base | kw))
+
+
+def _ids(batch):
+    return [g["id"] for g in batch]
+
+
+def test_split_round_trips_through_records(built):
+    """The flat split read back from the group records holds every kept pair with its own group's
+    candidates, and the index counts what the records hold."""
+    out, stats = built
+    for s in build.SPLITS:
+        sp = data_lib.load_split(out, s)
+        idx = pair_records.load_index(out, s)
+        assert len(sp.groups) == len(idx["n_candidates"]) == stats["splits"][s]["prompts"]
+        assert len(sp.pair_a) == idx["n_pairs"].sum() == stats["splits"][s]["pairs"]
+        assert sp.n_candidates == idx["n_candidates"].sum() == stats["splits"][s]["candidates"]
+        for c in range(sp.n_candidates):
+            assert sp.length(c) == sp.prompt_len[c] + sp.response_len[c]
+
+
+def test_loader_processes_slice_the_one_process_stream(built):
+    """Two processes' microbatches, in process order, are the one-process microbatches (ids and
+    the token rows they place), over more than one epoch."""
     out, _ = built
-    sp = data_lib.load_split(out, "train")
-    shape = data_lib.BatchShape(rows=8, pairs=8, length=512, max_patches=64, max_images=4, frame_capacity=64)
-    micros = data_lib.pack(sp, range(len(sp.groups)), shape)
-    assert sorted(np.concatenate([m.pairs for m in micros]).tolist()) == list(range(len(sp.pair_a)))
-    for m in micros:
-        assert set(sp.pair_a[m.pairs]) | set(sp.pair_b[m.pairs]) <= set(m.candidates)
-        assert len(m.candidates) <= 8 and len(m.pairs) <= 8
+    one = pair_loader.make_iterator(pair_loader.make_dataset(out, "train", _loader_cfg()))
+    two = [pair_loader.make_iterator(pair_loader.make_dataset(out, "train", _loader_cfg(process_index=p,
+                                                                                        process_count=2)))
+           for p in range(2)]
+    n_groups = len(pair_records.load_index(out, "train")["n_candidates"])
+    seen = []
+    for _ in range(2 * n_groups // 4 + 1):
+        whole, halves = next(one), [next(it) for it in two]
+        assert _ids(whole) == _ids(halves[0]) + _ids(halves[1])
+        seen += _ids(whole)
+    assert set(seen[:n_groups]) == set(seen[n_groups:2 * n_groups])   # epochs cover every group once
+    assert seen[:n_groups] != seen[n_groups:2 * n_groups]             # and are reshuffled
+
+
+def test_micro_arrays_keep_groups_in_their_slots(built, mcfg_text):
+    out, _ = built
+    cfg = _loader_cfg()
+    groups = next(pair_loader.make_iterator(pair_loader.make_dataset(out, "train", cfg)))
+    pdim = pair_loader.patch_dim(mcfg_text)
+    m = pair_loader.micro_arrays(groups, cfg, mcfg_text, pad_id=0, patch_dim=pdim, micro_index=1)
+    ids, resp = np.asarray(m["inputs"].input_ids_bt), m["response_mask"]
+    R, Q = cfg.rows_per_group, cfg.pairs_per_group
+    for k, g in enumerate(groups):
+        for c in range(len(g["prompt_len"])):
+            seq = g["tokens"][g["offsets"][c]:g["offsets"][c + 1]]
+            assert np.array_equal(ids[k * R + c, :len(seq)], seq)
+            assert resp[k * R + c].sum() == g["response_len"][c]
+        n = len(g["pair_a"])
+        assert np.array_equal(m["pair_a"][k * Q:k * Q + n], k * R + g["pair_a"])
+        assert m["pair_valid"][k * Q:k * Q + n].all() and not m["pair_valid"][k * Q + n:(k + 1) * Q].any()
+        assert set(m["pair_group"][k * Q:k * Q + n]) == {1 * cfg.groups + k}
+    # process 1 of 2 places the second half of the groups at the global rows after process 0's
+    half = _loader_cfg(process_index=1, process_count=2)
+    m1 = pair_loader.micro_arrays(groups[2:], half, mcfg_text, pad_id=0, patch_dim=pdim)
+    assert np.array_equal(np.asarray(m1["inputs"].input_ids_bt), ids[8:])
+    assert np.array_equal(m1["pair_a"], m["pair_a"][6:])
+
+
+def test_loader_resume_is_exact(built):
+    out, _ = built
+    ds = pair_loader.make_dataset(out, "train", _loader_cfg())
+    it = pair_loader.make_iterator(ds)
+    for _ in range(3):
+        next(it)
+    state = it.get_state()
+    want = [_ids(next(it)) for _ in range(4)]
+    resumed = pair_loader.make_iterator(pair_loader.make_dataset(out, "train", _loader_cfg()), state)
+    assert [_ids(next(resumed)) for _ in range(4)] == want
+
+
+def test_loader_refuses_a_group_over_its_slot(built):
+    out, _ = built
+    with pytest.raises(ValueError, match="over the slot of rows/groups=2.*raise rm.rows"):
+        pair_loader.make_dataset(out, "train", _loader_cfg(rows=8))
+    with pytest.raises(ValueError, match="multiples of rm.groups"):
+        _loader_cfg(rows=10)
 
 
 def test_synth_groups_become_rankings(synth_dir):

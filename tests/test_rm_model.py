@@ -10,6 +10,7 @@ from rm_jax.model import prepare_inputs
 from rm_jax.rm import data as data_lib
 from rm_jax.rm.head import init_reward_model, reward_positions
 from rm_jax.rm.render import split_turn
+from rm_jax.run_config import model_config, parse
 
 EOS = 2
 
@@ -30,7 +31,7 @@ def mini_config(tiny_cfg):
     cfg.model.vision_config.deepstack_visual_indexes = (0,)
     cfg.rm = rm_tiny.get_config().rm
     cfg.train.warmup_steps = 1
-    return cfg
+    return parse(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,7 @@ def rm_cfg(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def mcfg(rm_cfg):
-    from rm_jax.run_config import model_config, parse
-    return model_config(parse(rm_cfg))
+    return model_config(rm_cfg)
 
 
 @pytest.fixture(scope="module")
@@ -183,12 +183,98 @@ def test_rm_accumulation_equals_one_microbatch(rm_cfg, mcfg, devices8):
     both.update({k: np.concatenate([a[k], b[k] + 8 if k in ("pair_a", "pair_b") else b[k]])
                  for k in ("pair_a", "pair_b", "pair_p", "pair_m", "pair_w_raw", "pair_group", "pair_valid")})
     mesh = make_mesh(devices=devices8[:1])
-    import copy
-    cfg = copy.deepcopy(rm_cfg)
-    cfg.moe.lb_coef = 0.0     # the MoE balance loss is per microbatch, not additive over rows
+    import dataclasses
+    # the MoE balance loss is per microbatch, not additive over rows
+    cfg = rm_cfg.replace(moe=dataclasses.replace(rm_cfg.moe, lb_coef=0.0))
     m2, p2 = _one_step(cfg, mcfg, mesh, micros)
     m1, p1 = _one_step(cfg, mcfg, mesh, [both])
     for k in ("pair_loss", "center_loss", "pair_accuracy", "margin", "chosen_reward", "grad_norm"):
         np.testing.assert_allclose(m2[k], m1[k], rtol=2e-4, atol=1e-6, err_msg=k)
     for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=2e-4, atol=2e-6)
+
+
+# -- Qwen3.5 (Gated DeltaNet + gated attention, MoE with a shared expert) as the RM backbone ---------
+
+Q35_LAYERS = ["linear_attention", "full_attention", "linear_attention"]
+
+
+def qwen35_text_config():
+    from rm_jax.model.qwen3_5_moe.config import Qwen35MoeConfig
+    hf = dict(model_type="qwen3_5_moe_text", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+              moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=5, num_experts_per_tok=2,
+              layer_types=Q35_LAYERS, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False,
+              rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                   mrope_section=[2, 1, 1], mrope_interleaved=True))
+    return Qwen35MoeConfig.from_hf_dict(hf)
+
+
+@pytest.fixture(scope="module")
+def q35_rm():
+    return init_reward_model(qwen35_text_config(), seed=0)
+
+
+def test_qwen35_reward_position(q35_rm):
+    """The reward of a right-padded row (pad == eos, an earlier turn's eos in the prompt) is the head
+    on the final-norm hidden state of the row's own end-of-turn token, computed on the sequence
+    alone and cut right there: the position is the target turn's last token, and nothing after it
+    (padding, through the recurrent Gated DeltaNet layers too) reaches it."""
+    rm = q35_rm
+    rng = np.random.default_rng(1)
+    t = 24
+    ids_bt = np.full((3, t), EOS, np.int32)
+    mask_bt = np.zeros((3, t), np.int32)
+    resp_bt = np.zeros((3, t), np.int32)
+    seqs = []
+    for b, (n_prompt, n_resp) in enumerate(((9, 5), (11, 3), (6, 12))):
+        ids = rng.integers(20, VOCAB, n_prompt + n_resp).astype(np.int32)
+        ids[-1] = EOS
+        ids[n_prompt - 3] = EOS
+        ids_bt[b, :len(ids)], mask_bt[b, :len(ids)], resp_bt[b, n_prompt:len(ids)] = ids, 1, 1
+        seqs.append(ids)
+    got = _rewards(rm, ids_bt, mask_bt, resp_bt)
+    want = []
+    for ids in seqs:
+        inputs = prepare_inputs(rm.cfg, ids[None], np.ones((1, len(ids)), np.int32), attention="mask")
+        h_d = rm.backbone.forward_arrays(inputs, logits=False).final_hidden_btd[0, -1]
+        want.append(float(rm.head(h_d[None])[0]))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+    assert reward_positions(resp_bt).tolist() == [13, 13, 17]
+    # the reward moves with the token at that position, not with the padding after it
+    moved = ids_bt.copy()
+    moved[0, 13] = 30
+    assert abs(_rewards(rm, moved, mask_bt, resp_bt)[0] - got[0]) > 1e-6
+    repadded = ids_bt.copy()
+    repadded[:, 20:] = 0
+    np.testing.assert_allclose(_rewards(rm, repadded, mask_bt, resp_bt), got, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.slow   # a Qwen3.5 training compile: ~1-3 min on 2 shared cores
+def test_qwen35_rm_trains(devices8):
+    """A tiny Qwen3.5 RM learns a fixed set of hard pairs through the RM step on an 8-device mesh."""
+    import dataclasses
+    from rm_jax.model import placement
+    from rm_jax.rm.step import RMStepBuilder, RMStepConfig
+    from rm_jax.rm.loss import PairLossConfig
+    from rm_jax.sharding import make_mesh
+    from rm_jax.train import optim
+    mcfg = qwen35_text_config()
+    mesh = make_mesh({"data": 4, "fsdp": 2}, devices=devices8)
+    rm = init_reward_model(mcfg, seed=0)
+    placement.place_params(rm, mesh)
+    ocfg = dataclasses.replace(optim.OptimConfig(), lr=1e-2, warmup_steps=1, total_steps=20)
+    builder = RMStepBuilder(rm, optim.make_optimizer(ocfg, nnx.state(rm, nnx.Param)),
+                            RMStepConfig(loss=PairLossConfig(True, 0.0)), mesh)
+    micros = _batch(mcfg, rows=8, t=32, n_micro=1, seed=5)
+    micros[0]["pair_p"][:], micros[0]["pair_m"][:] = 1.0, 0.0      # hard pairs: the loss can go to 0
+    batch = data_lib.assemble(micros, True)
+    state = builder.init_state()
+    losses = []
+    for _ in range(12):
+        state, metrics = builder.train(state, batch)
+        losses.append(float(metrics["pair_loss"]))
+    assert builder.trace_count == 1
+    assert np.all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0], losses
+    assert float(metrics["pair_accuracy"]) == 1.0

@@ -12,9 +12,9 @@
   split, and a calibration split is kept apart from held-out (the temperature is fitted there
   and frozen, never on held-out).
 
-Output, per split ``train`` / ``calibration`` / ``heldout``: ``{split}.npz`` (candidate tokens
-concatenated with offsets, images likewise, pair arrays indexing candidates of that split) and
-``{split}.groups.jsonl`` (per prompt: id, prompt_id, slice, candidate ids, utilities).
+Output, per split ``train`` / ``calibration`` / ``heldout``: ArrayRecord shards of one record per
+prompt group (rm_jax.rm.pair_records: candidate tokens, images, the group's pairs) written as the
+input is read, and ``{split}_pairs_index.npz`` (per-group counts).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import os
 import numpy as np
 
 from rm_jax.data.schema import Reject, SampleError
+from rm_jax.rm import pair_records
 from rm_jax.rm.prefs import PreferenceRecord, read_records
 from rm_jax.rm.render import REWARD_POSITION_RULE, RenderedCandidate, RMRenderer
 from rm_jax.utils import file_sha256, tree_sha256
@@ -56,59 +57,58 @@ def split_of(prompt_id: str, opts: PairBuildOptions) -> str:
 
 
 class _SplitWriter:
-    def __init__(self):
-        self.cands: list[RenderedCandidate] = []
-        self.cand_group: list[int] = []
-        self.utility: list[float] = []
-        self.pairs: list[tuple] = []
-        self.groups: list[dict] = []
+    """One split's group records (rm_jax.rm.pair_records), written as they come."""
+
+    def __init__(self, out_dir: str, split: str):
+        self.shards = pair_records.GroupShardWriter(out_dir, split)
+        self.n_groups = self.n_candidates = 0
+        self.n_ties = self.n_soft = self.n_pairs = 0
+        self.max_length = 0
 
     def add(self, rec: PreferenceRecord, rendered: list[RenderedCandidate], kept_pairs) -> None:
         used = sorted({i for q in kept_pairs for i in (q.a, q.b)})
-        base = len(self.cands)
-        local = {i: base + k for k, i in enumerate(used)}
-        g = len(self.groups)
-        for i in used:
-            self.cands.append(rendered[i])
-            self.cand_group.append(g)
-            u = rec.utilities[i]
-            self.utility.append(np.nan if u is None else u)
-        for q in kept_pairs:
-            self.pairs.append((local[q.a], local[q.b], q.p, q.weight, q.margin, g))
-        self.groups.append({"id": rec.id, "prompt_id": rec.prompt_id, "slice": rec.slice,
-                            "candidates": [rendered[i].id for i in used],
-                            "utilities": [None if rec.utilities[i] is None else rec.utilities[i] for i in used],
-                            "sources": [rec.sources[i] if rec.sources else None for i in used]})
-
-    def write(self, out_dir: str, split: str) -> None:
-        c = self.cands
+        local = {i: k for k, i in enumerate(used)}
+        c = [rendered[i] for i in used]
         lens = lambda xs: np.cumsum([0] + [len(x) for x in xs]).astype(np.int64)
         tokens = [np.concatenate([x.prompt_ids, x.response_ids]) for x in c]
         pix = [x.pixel_values for x in c]
         pdim = next((p.shape[1] for p in pix if p.size), 1)
-        pairs = np.asarray(self.pairs, np.float64).reshape(-1, 6)
-        np.savez(os.path.join(out_dir, f"{split}.npz"),
-                 tokens=np.concatenate(tokens).astype(np.int32) if tokens else np.zeros(0, np.int32),
-                 offsets=lens(tokens), prompt_len=np.asarray([len(x.prompt_ids) for x in c], np.int32),
-                 response_len=np.asarray([len(x.response_ids) for x in c], np.int32),
-                 pixels=np.concatenate([p.reshape(-1, pdim) for p in pix]).astype(np.float16) if pix
-                 else np.zeros((0, pdim), np.float16),
-                 pix_offsets=lens(pix),
-                 grids=np.concatenate([x.image_grid_thw for x in c]).astype(np.int32) if c else np.zeros((0, 3), np.int32),
-                 grid_offsets=lens([x.image_grid_thw for x in c]),
-                 group=np.asarray(self.cand_group, np.int32), utility=np.asarray(self.utility, np.float64),
-                 pair_a=pairs[:, 0].astype(np.int32), pair_b=pairs[:, 1].astype(np.int32),
-                 pair_p=pairs[:, 2].astype(np.float32), pair_w=pairs[:, 3].astype(np.float32),
-                 pair_m=pairs[:, 4].astype(np.float32), pair_group=pairs[:, 5].astype(np.int32))
-        with open(os.path.join(out_dir, f"{split}.groups.jsonl"), "w", encoding="utf-8") as f:
-            for g in self.groups:
-                f.write(json.dumps(g, ensure_ascii=False) + "\n")
+        self.shards.write({
+            "id": rec.id, "prompt_id": rec.prompt_id, "slice": rec.slice,
+            "candidates": [x.id for x in c],
+            "utility": np.asarray([np.nan if rec.utilities[i] is None else rec.utilities[i] for i in used], np.float64),
+            "sources": [rec.sources[i] if rec.sources else None for i in used],
+            "tokens": np.concatenate(tokens).astype(np.int32), "offsets": lens(tokens),
+            "prompt_len": np.asarray([len(x.prompt_ids) for x in c], np.int32),
+            "response_len": np.asarray([len(x.response_ids) for x in c], np.int32),
+            "pixels": np.concatenate([p.reshape(-1, pdim) for p in pix]).astype(np.float16),
+            "pix_offsets": lens(pix),
+            "grids": np.concatenate([x.image_grid_thw for x in c]).astype(np.int32).reshape(-1, 3),
+            "grid_offsets": lens([x.image_grid_thw for x in c]),
+            "pair_a": np.asarray([local[q.a] for q in kept_pairs], np.int32),
+            "pair_b": np.asarray([local[q.b] for q in kept_pairs], np.int32),
+            "pair_p": np.asarray([q.p for q in kept_pairs], np.float32),
+            "pair_w": np.asarray([q.weight for q in kept_pairs], np.float32),
+            "pair_m": np.asarray([q.margin for q in kept_pairs], np.float32)})
+        self.n_groups += 1
+        self.n_candidates += len(c)
+        self.n_pairs += len(kept_pairs)
+        self.n_ties += sum(q.p == 0.5 for q in kept_pairs)
+        self.n_soft += sum(0 < q.p < 1 and q.p != 0.5 for q in kept_pairs)
+        self.max_length = max([self.max_length] + [x.length for x in c])
+
+    def finish(self) -> dict:
+        shards = self.shards.finish()
+        return {"prompts": self.n_groups, "candidates": self.n_candidates, "pairs": self.n_pairs,
+                "ties": self.n_ties, "soft": self.n_soft, "shards": shards["shards"]}
 
 
 def build(input_path: str, out_dir: str, renderer: RMRenderer, opts: PairBuildOptions, *,
           tokenizer_dir: str | None = None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
-    writers = {s: _SplitWriter() for s in SPLITS}
+    for path in pair_records.stale_outputs(out_dir, SPLITS):   # a rebuild leaves no earlier shard behind
+        os.remove(path)
+    writers = {s: _SplitWriter(out_dir, s) for s in SPLITS}
     rejects: list[Reject] = []
     n = collections.Counter()
     pair_filtered = collections.Counter()
@@ -150,8 +150,7 @@ def build(input_path: str, out_dir: str, renderer: RMRenderer, opts: PairBuildOp
         split = split_of(rec.prompt_id, opts)
         writers[split].add(rec, rendered, kept)
         n["kept_lines"] += 1
-    for s, w in writers.items():
-        w.write(out_dir, s)
+    splits = {s: w.finish() for s, w in writers.items()}
     total_pairs = max(n["pairs"], 1)
     rej_reasons = collections.Counter(r.reason for r in rejects)
     stats = {
@@ -165,10 +164,8 @@ def build(input_path: str, out_dir: str, renderer: RMRenderer, opts: PairBuildOp
         "different_side_truncation_rate": n["different_side_truncation"] / total_pairs,
         "overlength_filter_rate": pair_filtered["overlength"] / total_pairs,
         "missing_eos_rate": n["missing_eos"] / max(n["candidates"], 1),
-        "splits": {s: {"prompts": len(w.groups), "candidates": len(w.cands), "pairs": len(w.pairs),
-                       "ties": sum(p[2] == 0.5 for p in w.pairs),
-                       "soft": sum(0 < p[2] < 1 and p[2] != 0.5 for p in w.pairs)} for s, w in writers.items()},
-        "max_length": max((c.length for w in writers.values() for c in w.cands), default=0),
+        "splits": {s: {k: v for k, v in info.items() if k != "shards"} for s, info in splits.items()},
+        "max_length": max(w.max_length for w in writers.values()),
         "max_len": opts.max_len,
     }
     assert stats["read"] == stats["kept"] + stats["rejected"]
@@ -179,6 +176,7 @@ def build(input_path: str, out_dir: str, renderer: RMRenderer, opts: PairBuildOp
             f.write(json.dumps(r.to_json()) + "\n")
     manifest = {"input": os.path.abspath(input_path), "data_sha256": file_sha256(input_path),
                 "options": dataclasses.asdict(opts), "reward_position_rule": REWARD_POSITION_RULE,
+                "format": "pair_groups_array_record", "shards": {s: info["shards"] for s, info in splits.items()},
                 "system_prompt": renderer.system, "eos_token_id": renderer.eos_id,
                 "pad_token_id": renderer.tokenizer.pad_token_id, "padding_side": "right",
                 "chat_template_sha256": hashlib.sha256(renderer.template_probe().encode()).hexdigest(),

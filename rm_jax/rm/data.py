@@ -1,23 +1,24 @@
-"""Built pair splits -> static-shaped microbatches for the RM step.
+"""Built pair splits as flat arrays (evaluation, scoring) and the static-shaped microbatch arrays
+the RM step takes.
 
-A microbatch holds whole prompt groups: up to ``rows`` candidate sequences (each candidate once,
-however many pairs it is in) and up to ``pairs`` pairs indexing those rows, so chosen and rejected
-go through one forward and a prompt's pairs never straddle microbatches (or hosts). Shapes are
-fixed per run (rows, pairs, length, image budget), so the step compiles once. Padding rows have an
-all-zero mask; padding pairs weight 0.
+A microbatch holds whole prompt groups: ``rows`` candidate sequences (each candidate once, however
+many pairs it is in) and ``pairs`` pair slots indexing those rows, so chosen and rejected go
+through one forward and a prompt's pairs never straddle microbatches. Shapes are fixed per run
+(rows, pairs, length, image budget), so the step compiles once. Padding rows have an all-zero
+mask; padding pairs weight 0. Training draws its microbatches from the Grain loader
+(rm_jax.rm.pair_loader); this module's flat split serves evaluation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 import flax.struct
 import jax
 import numpy as np
 
 from rm_jax.model import JudgeInputs, prepare_inputs
+from rm_jax.rm import pair_records
 
 
 @dataclasses.dataclass
@@ -64,10 +65,39 @@ class PairSplit:
 
 
 def load_split(data_dir: str, split: str) -> PairSplit:
-    d = np.load(os.path.join(data_dir, f"{split}.npz"))
-    with open(os.path.join(data_dir, f"{split}.groups.jsonl")) as f:
-        groups = [json.loads(line) for line in f]
-    return PairSplit(**{k: d[k] for k in d.files}, groups=groups)
+    """A whole split from its group records, as flat arrays (evaluation: small splits)."""
+    groups = pair_records.read_split(data_dir, split)
+    return split_from_groups(groups)
+
+
+def split_from_groups(groups: list[dict]) -> PairSplit:
+    cat = lambda key, dtype, shape=(0,): (np.concatenate([g[key] for g in groups]).astype(dtype) if groups
+                                         else np.zeros(shape, dtype))
+    offsets = lambda key: np.concatenate([[0]] + [g[key][1:] + base for g, base in
+                                                  zip(groups, np.cumsum([0] + [g[key][-1] for g in groups])[:-1])]
+                                         ).astype(np.int64)
+    n_cand = [len(g["prompt_len"]) for g in groups]
+    cand_base = np.cumsum([0] + n_cand)[:-1]
+    pdim = next((g["pixels"].shape[1] for g in groups if g["pixels"].size), 1)
+    return PairSplit(
+        tokens=cat("tokens", np.int32), offsets=offsets("offsets"), prompt_len=cat("prompt_len", np.int32),
+        response_len=cat("response_len", np.int32),
+        pixels=(np.concatenate([g["pixels"].reshape(-1, pdim) for g in groups]) if groups
+                else np.zeros((0, pdim), np.float16)),
+        pix_offsets=offsets("pix_offsets"),
+        grids=np.concatenate([g["grids"].reshape(-1, 3) for g in groups]).astype(np.int32) if groups
+        else np.zeros((0, 3), np.int32),
+        grid_offsets=offsets("grid_offsets"),
+        group=np.repeat(np.arange(len(groups)), n_cand).astype(np.int32), utility=cat("utility", np.float64),
+        pair_a=np.concatenate([g["pair_a"] + base for g, base in zip(groups, cand_base)]).astype(np.int32)
+        if groups else np.zeros(0, np.int32),
+        pair_b=np.concatenate([g["pair_b"] + base for g, base in zip(groups, cand_base)]).astype(np.int32)
+        if groups else np.zeros(0, np.int32),
+        pair_p=cat("pair_p", np.float32), pair_w=cat("pair_w", np.float32), pair_m=cat("pair_m", np.float32),
+        pair_group=np.repeat(np.arange(len(groups)), [len(g["pair_a"]) for g in groups]).astype(np.int32),
+        groups=[{"id": g["id"], "prompt_id": g["prompt_id"], "slice": g["slice"], "candidates": list(g["candidates"]),
+                 "utilities": [None if np.isnan(u) else float(u) for u in g["utility"]],
+                 "sources": list(g["sources"])} for g in groups])
 
 
 @flax.struct.dataclass
@@ -97,25 +127,6 @@ class Micro:
     """Host view of one microbatch (numpy), before stacking."""
     candidates: np.ndarray     # split candidate index per row
     pairs: np.ndarray          # split pair index per pair slot
-
-
-def pack(split: PairSplit, group_order, shape: BatchShape) -> list[Micro]:
-    """Greedy packing of whole groups, in the given order."""
-    cands_of, pairs_of = split.group_candidates(), split.group_pairs()
-    out, rows, pairs = [], [], []
-    for g in group_order:
-        c, p = cands_of[g], pairs_of[g]
-        if len(c) > shape.rows or len(p) > shape.pairs:
-            raise ValueError(f"prompt group {split.groups[g]['id']!r} has {len(c)} candidates / {len(p)} pairs, over "
-                             f"the microbatch's rows={shape.rows} / pairs={shape.pairs}: raise rm.rows / rm.pairs")
-        if len(rows) + len(c) > shape.rows or len(pairs) + len(p) > shape.pairs:
-            out.append(Micro(np.asarray(rows, np.int64), np.asarray(pairs, np.int64)))
-            rows, pairs = [], []
-        rows.extend(c.tolist())
-        pairs.extend(p.tolist())
-    if rows:
-        out.append(Micro(np.asarray(rows, np.int64), np.asarray(pairs, np.int64)))
-    return out
 
 
 def micro_arrays(split: PairSplit, micro: Micro, shape: BatchShape, mcfg, pad_id: int) -> dict:
@@ -180,15 +191,6 @@ def assemble(micros: list[dict], group_normalize: bool) -> RMBatch:
 
 def non_pad_tokens(batch: RMBatch) -> int:
     return int(np.sum(batch.inputs.attention_mask_bt))
-
-
-def step_groups(split: PairSplit, shape: BatchShape, accumulation: int, seed: int, epoch: int) -> list[list[Micro]]:
-    """One epoch's steps: groups shuffled by (seed, epoch), packed, grouped `accumulation` at a time
-    (a short last step is dropped in training, so every step has the same shapes)."""
-    order = np.random.default_rng((seed, epoch)).permutation(len(split.groups))
-    micros = pack(split, order, shape)
-    n = len(micros) // accumulation
-    return [micros[i * accumulation:(i + 1) * accumulation] for i in range(n)]
 
 
 def split_from_rendered(rendered: list) -> PairSplit:

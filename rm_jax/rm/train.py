@@ -1,9 +1,10 @@
 """The RM training run: model + head on the mesh, optax (rm_jax.train.optim), Orbax checkpoints
 (rm_jax.train.checkpoint, the data position saved beside the state), metrics.jsonl.
 
-Data order is a pure function of (seed, epoch, step), so a restarted run resumes at the saved
-step with the same batches. One process only (the RM step keeps a prompt's pairs in one
-microbatch; multi-host placement of whole groups is not wired).
+Pair data comes from the Grain loader over group records (rm_jax.rm.pair_loader); its iterator
+state is saved beside each checkpoint, so a restarted run resumes at the saved step with the same
+batches. Several processes (launch.rm_train's cluster flags) each place their slice of every
+microbatch's rows; the metrics, manifest and checkpoint data item are written once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from absl import logging
 
 from rm_jax.rm import data as data_lib
+from rm_jax.rm import pair_loader, pair_records
 from rm_jax.rm.head import HEAD_DEFINITION, RewardModel, init_reward_model
 from rm_jax.rm.loss import PairLossConfig
 from rm_jax.rm.render import REWARD_POSITION_RULE
@@ -24,6 +26,8 @@ from rm_jax.rm.step import RMStepBuilder, RMStepConfig
 from rm_jax.model import load_hf, placement
 from rm_jax.run_config import RunConfig, model_config
 from rm_jax.sharding import make_mesh
+from rm_jax.train import distributed
+from rm_jax.train.data_plan import data_state_to_save, own_data_state
 from rm_jax.train.host_batch import frame_capacity
 from rm_jax.train import optim
 from rm_jax.train.checkpoint import Checkpointer, CheckpointOptions, abstract_like
@@ -79,17 +83,25 @@ def restore_latest(cfg: RunConfig, workdir: str, step: int | None = None):
     return builder, restored.state, restored.step, mcfg
 
 
-def run(cfg: RunConfig, workdir: str, data_dir: str) -> dict:
-    if jax.process_count() > 1:
-        raise ValueError("rm training runs in one process")
+def loader_config(cfg: RunConfig, mcfg, length: int) -> pair_loader.PairLoaderConfig:
+    r = cfg.rm
+    return pair_loader.PairLoaderConfig(
+        groups=int(r.groups), rows=int(r.rows), pairs=int(r.pairs), length=length,
+        max_patches=int(r.max_patches), max_images=int(r.max_images),
+        frame_capacity=frame_capacity(cfg, mcfg), seed=int(cfg.seed),
+        process_index=jax.process_index(), process_count=jax.process_count())
+
+
+def run(cfg: RunConfig, workdir: str, data_dir: str, *, cluster_line: str = "single process") -> dict:
     os.makedirs(workdir, exist_ok=True)
     mesh = make_mesh(cfg.mesh)
+    logging.info("%s; mesh %s", cluster_line, dict(mesh.shape))
     model, mcfg = build_reward_model(cfg, mesh)
     steps = int(cfg.rm.steps)
     builder = make_builder(cfg, model, mesh, steps)
-    split = data_lib.load_split(data_dir, "train")
+    pair_records.load_index(data_dir, "train")          # a clear error for a folder that is not pair data
     length = run_length(cfg, data_dir)
-    shape = batch_shape(cfg, mcfg, length)
+    lcfg = loader_config(cfg, mcfg, length)
     with open(os.path.join(data_dir, "manifest.json")) as f:
         data_manifest = json.load(f)
     with open(os.path.join(data_dir, "stats.json")) as f:
@@ -99,55 +111,51 @@ def run(cfg: RunConfig, workdir: str, data_dir: str) -> dict:
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), CheckpointOptions(every=int(cfg.rm.checkpoint_every)))
     state = builder.init_state()
-    start = 0
+    start, data_state = 0, None
     restored = ckpt.restore(abstract_like(state))
     if restored is not None:
         state, start = restored.state, restored.step
+        data_state = own_data_state(restored.data_state)
         logging.info("resumed at step %d", start)
-    metrics_out = MetricsWriter(workdir, resume_step=start, tensorboard=cfg.train.tensorboard)
-    manifest = {"config": cfg.to_dict(), "data_dir": os.path.abspath(data_dir), "data_manifest": data_manifest,
-                "head_definition": HEAD_DEFINITION, "reward_position_rule": REWARD_POSITION_RULE,
-                "run_length": length, "objective": "bradley_terry"}
-    with open(os.path.join(workdir, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1, default=str)
+    stream = pair_loader.PairStream(data_dir, lcfg, accum, data_state)
+    primary = distributed.is_primary()       # the run's shared files are written once
+    distributed.sync("resume_checked")
+    metrics_out = (MetricsWriter(workdir, resume_step=start, tensorboard=cfg.train.tensorboard)
+                   if primary else None)
+    if primary:
+        manifest = {"config": cfg.to_dict(), "data_dir": os.path.abspath(data_dir), "data_manifest": data_manifest,
+                    "head_definition": HEAD_DEFINITION, "reward_position_rule": REWARD_POSITION_RULE,
+                    "run_length": length, "objective": "bradley_terry",
+                    "devices": {"count": jax.device_count(), "process_count": jax.process_count()}}
+        with open(os.path.join(workdir, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1, default=str)
 
-    epoch_steps: dict[int, list] = {}
-
-    def step_micros(step: int):
-        n_per_epoch = None
-        epoch, k = 0, step
-        while True:
-            if epoch not in epoch_steps:
-                epoch_steps[epoch] = data_lib.step_groups(split, shape, accum, int(cfg.seed), epoch)
-            n_per_epoch = len(epoch_steps[epoch])
-            if n_per_epoch == 0:
-                raise ValueError("the train split packs into no full step: more data or a smaller rm.grad_accum")
-            if k < n_per_epoch:
-                return epoch_steps[epoch][k]
-            k -= n_per_epoch
-            epoch += 1
-
+    pdim = pair_loader.patch_dim(mcfg)
     log_every = int(cfg.rm.log_every)
     t0, pairs_acc, tokens_acc, last = time.time(), 0, 0, {}
     for step in range(start, steps):
-        micros = [data_lib.micro_arrays(split, m, shape, mcfg, pad_id) for m in step_micros(step)]
+        micros = [pair_loader.micro_arrays(groups, lcfg, mcfg, pad_id, pdim, micro_index=k)
+                  for k, groups in enumerate(stream.next())]
         batch = data_lib.assemble(micros, bool(cfg.rm.group_normalize))
         state, metrics = builder.train(state, batch)
-        pairs_acc += int(sum(m["pair_valid"].sum() for m in micros))
-        tokens_acc += data_lib.non_pad_tokens(batch)
+        pairs_acc += int(sum(m["pair_valid"].sum() for m in micros))    # global: pairs travel to every process
+        tokens_acc += data_lib.non_pad_tokens(batch)        # this process's rows
         done = step + 1
         if done % log_every == 0 or done == steps:
             row = {k: float(v) for k, v in jax.device_get(metrics).items()}
             if not np.isfinite(row["pair_loss"]):
                 raise FloatingPointError(f"non-finite pair_loss at step {done}")
             dt = max(time.time() - t0, 1e-9)
+            tokens_acc = int(distributed.allgather_host(np.array([tokens_acc], np.int64)).sum())
             row.update(pairs_per_s=pairs_acc / dt, non_pad_tokens_per_s=tokens_acc / dt,
                        overlength_filter_rate=float(data_stats["overlength_filter_rate"]))
-            metrics_out.write(done, row)
+            if metrics_out is not None:
+                metrics_out.write(done, row)
             logging.info("step %d %s", done, " ".join(f"{k}={v:.4g}" for k, v in row.items()))
             t0, pairs_acc, tokens_acc, last = time.time(), 0, 0, row
         if done % int(cfg.rm.checkpoint_every) == 0 or done == steps:
-            ckpt.save(done, state, {"step": done})
+            ckpt.save(done, state, data_state_to_save(stream))
     ckpt.close()
-    metrics_out.close()
-    return {"steps": steps, "last": last, "trace_count": builder.trace_count}
+    if metrics_out is not None:
+        metrics_out.close()
+    return {"steps": steps, "resumed_from": start, "last": last, "trace_count": builder.trace_count}
