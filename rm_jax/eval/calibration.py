@@ -1,17 +1,37 @@
-"""Calibration of pairwise probabilities: NLL, Brier, ECE, temperature scaling, reliability diagram.
+"""Calibration of probabilities: NLL, Brier, ECE, temperature scaling, reliability diagram, and the
+judge's optional calibrated P(pass).
 
-The temperature T of σ(Δ / T) is fitted on the calibration split (minimum pairwise NLL) and then
-frozen: the held-out figures before/after use that T, never one refitted on held-out. Labels may be
-soft (p in [0, 1]); NLL and Brier then are the cross-entropy / squared error against p, and equal
+The temperature T of σ(Δ / T) is fitted on the calibration split (minimum NLL) and then frozen:
+the held-out figures before/after use that T, never one refitted on held-out. Labels may be soft
+(p in [0, 1]); NLL and Brier then are the cross-entropy / squared error against p, and equal
 sklearn's ``log_loss`` / ``brier_score_loss`` for 0/1 labels.
+
+The judge's P(pass) = σ(z) with z = logit(pass) - logit(fail) at the verdict slot. ``Calibration``
+maps it to σ(z / T + shift), an option of score, sweep and serve (``--calibration``):
+
+* ``none`` (default): the field report's reward, unchanged.
+* ``prior``: failures are oversampled in the training stream only (x3: about 60 % fail against
+  35 % held out), so the judge's prior odds of pass are too low. Bayes' rule with the class
+  prior replaced: shift = logit(stream fail share) - logit(held-out fail share), both from the run
+  (its recorded ``data.oversample_fail`` and its data directory's split indexes).
+* ``temperature``: T fitted by the sweep on a calibration half of the held-out split at the chosen
+  step, frozen in ``W/calibration.json``.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
 
 import numpy as np
 from scipy import optimize
 
 EPS = 1e-12
+METHODS = ("none", "prior", "temperature")
+CALIBRATION_FILE = "calibration.json"
 
 
 def calibration_metrics(p, y, n_bins: int = 15) -> dict:
@@ -61,7 +81,7 @@ def reliability_bins(p, y, n_bins: int = 15) -> dict:
     return {"bins": rows}
 
 
-def reliability_diagram(path: str, curves: dict, n_bins: int = 15) -> None:
+def reliability_diagram(path: str, curves: dict, n_bins: int = 15, xlabel: str = "predicted P(a preferred)") -> None:
     """curves: name -> (p, y). One PNG: observed frequency against mean predicted probability."""
     import matplotlib
     matplotlib.use("Agg")
@@ -71,7 +91,7 @@ def reliability_diagram(path: str, curves: dict, n_bins: int = 15) -> None:
     for name, (p, y) in curves.items():
         rows = [r for r in reliability_bins(p, y, n_bins)["bins"] if r["n"]]
         ax.plot([r["mean_p"] for r in rows], [r["freq"] for r in rows], "o-", label=name)
-    ax.set_xlabel("predicted P(a preferred)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("observed frequency")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
@@ -79,3 +99,126 @@ def reliability_diagram(path: str, curves: dict, n_bins: int = 15) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------- the judge's calibrated P(pass)
+
+
+def _logit(q: float) -> float:
+    return math.log(q) - math.log1p(-q)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """P(pass) -> σ(z / temperature + shift), z the verdict logit difference."""
+    method: str = "none"
+    temperature: float = 1.0
+    shift: float = 0.0
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"calibration {self.method!r} is not one of {METHODS}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)) or not math.isfinite(self.shift):
+            raise ValueError(f"calibration needs a finite temperature > 0 and a finite shift, got {self}")
+
+    def logit(self, z):
+        return np.asarray(z, np.float64) / self.temperature + self.shift
+
+    def p_pass(self, p):
+        """Calibrated P(pass) from the judge's P(pass) (z recovered as its logit; NaN stays NaN)."""
+        if self.method == "none":
+            return p
+        q = np.clip(np.asarray(p, np.float64), EPS, 1 - EPS)
+        out = sigmoid(self.logit(np.log(q) - np.log1p(-q)))
+        return float(out) if np.ndim(out) == 0 else out
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+IDENTITY = Calibration()
+
+
+def label_shares(data_dir: str, oversample_fail: int) -> dict:
+    """Fail shares of a run's training stream (each failure ``oversample_fail`` times) and of its
+    held-out split, from the build's split indexes."""
+    from rm_jax.data import records
+    train = records.load_index(data_dir, "train")["label"]
+    held = records.load_index(data_dir, "heldout")["label"]
+    n_fail, n_pass = int((train == 1).sum()), int((train == 0).sum())
+    k = max(1, int(oversample_fail))
+    if not len(held) or n_fail + n_pass == 0:
+        raise ValueError(f"{data_dir}: the prior calibration needs a non-empty train and held-out split")
+    return {"oversample_fail": k, "train_stream_fail_share": n_fail * k / (n_pass + n_fail * k),
+            "heldout_fail_share": float((held == 1).mean())}
+
+
+def prior_shift(shares: dict) -> float:
+    """The pass-logit shift that swaps the training stream's prior for the held-out one."""
+    t, h = shares["train_stream_fail_share"], shares["heldout_fail_share"]
+    if not (0 < t < 1 and 0 < h < 1):
+        raise ValueError(f"the prior calibration needs fail shares strictly between 0 and 1, got {shares}")
+    return _logit(t) - _logit(h)
+
+
+def run_label_shares(workdir: str) -> dict:
+    """``label_shares`` of a training workdir, from what its manifest records (the run config's
+    ``data.oversample_fail`` and its data directory)."""
+    from rm_jax.score.checkpoints import read_run_config, run_data_dir
+    cfg = read_run_config(workdir)
+    return label_shares(run_data_dir(workdir), int(cfg.data.oversample_fail))
+
+
+def calibration_path(workdir: str) -> str:
+    return os.path.join(workdir, CALIBRATION_FILE)
+
+
+def save_temperature(workdir: str, temperature: float, *, step: int, n: int) -> str:
+    path = calibration_path(workdir)
+    with open(path, "w") as f:
+        json.dump({"method": "temperature", "temperature": float(temperature), "step": int(step),
+                   "n_calibration": int(n)}, f, indent=2)
+    return path
+
+
+def load_calibration(workdir: str, method: str) -> Calibration:
+    """The calibration ``method`` of a run: ``prior`` from its manifest, ``temperature`` frozen by
+    its sweep (``W/calibration.json``)."""
+    if method == "none":
+        return IDENTITY
+    if method == "prior":
+        return Calibration("prior", shift=prior_shift(run_label_shares(workdir)))
+    if method == "temperature":
+        path = calibration_path(workdir)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: no fitted temperature; run launch.sweep --workdir={workdir} "
+                                    f"--calibration=temperature first")
+        with open(path) as f:
+            rec = json.load(f)
+        if "temperature" not in rec:
+            raise ValueError(f"{path}: field 'temperature' is missing")
+        return Calibration("temperature", temperature=float(rec["temperature"]))
+    raise ValueError(f"--calibration={method!r} is not one of {METHODS}")
+
+
+def calibration_split(prompt_ids, fraction: float = 0.5, seed: int = 0) -> np.ndarray:
+    """Boolean mask of the calibration half of the held-out split, by prompt (a stable hash)."""
+    def u(pid: str) -> float:
+        return int.from_bytes(hashlib.sha256(f"calibration:{seed}:{pid}".encode()).digest()[:8], "big") / 2.0 ** 64
+    return np.asarray([u(p) < fraction for p in prompt_ids], bool)
+
+
+def calibration_table(p_pass, y_pass, cal_mask, shares: dict) -> dict:
+    """Fit T on the calibration part, then NLL/Brier/ECE of none / prior / temperature on the
+    evaluation part (never the part T was fitted on)."""
+    p = np.clip(np.asarray(p_pass, np.float64), EPS, 1 - EPS)
+    y = np.asarray(y_pass, np.float64)
+    z = np.log(p) - np.log1p(-p)
+    t = fit_temperature(z[cal_mask], y[cal_mask])
+    methods = {"none": IDENTITY, "prior": Calibration("prior", shift=prior_shift(shares)),
+               "temperature": Calibration("temperature", temperature=t)}
+    ev = ~cal_mask
+    rows = {name: calibration_metrics(np.asarray(c.p_pass(p[ev])), y[ev]) for name, c in methods.items()}
+    return {"temperature": t, "shift": methods["prior"].shift, "shares": shares,
+            "n_calibration": int(cal_mask.sum()), "n_evaluation": int(ev.sum()), "rows": rows,
+            "curves": {name: (np.asarray(c.p_pass(p[ev])), y[ev]) for name, c in methods.items()}}

@@ -162,14 +162,19 @@ def _num(x: float | None) -> str:
     return f"{x:.3f}" if _finite(x) else "—"
 
 
-def format_table(rows: Sequence[SweepRow], chosen: int | Choice | None) -> str:
-    """The report's markdown table, one row per step, the chosen row in bold and marked."""
+def format_table(rows: Sequence[SweepRow], chosen: int | Choice | None,
+                 extra: Mapping[str, Mapping[int, str]] | None = None) -> str:
+    """The report's markdown table, one row per step, the chosen row in bold and marked.
+    ``extra``: more columns, header -> {step: cell} (e.g. the robustness audit's worst attack)."""
     chosen_step = chosen.step if isinstance(chosen, Choice) else chosen
-    lines = ["| step | accuracy | fail P | fail R | F1 | AUC | middle zone | img corr | val loss |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    extra = extra or {}
+    lines = ["| step | accuracy | fail P | fail R | F1 | AUC | middle zone | img corr | val loss |"
+             + "".join(f" {h} |" for h in extra),
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
     for r in sorted(rows, key=lambda r: r.step):
         cells = [str(r.step), _pct(r.accuracy), _pct(r.fail_precision), _pct(r.fail_recall), _pct(r.fail_f1),
                  _num(r.auc), _pct(r.middle_zone), _num(r.img_corr), _num(r.val_loss)]
+        cells += [col.get(r.step, "—") for col in extra.values()]
         if r.step == chosen_step:
             cells = [f"**{c}**" for c in cells]
             cells[0] += " ← chosen"

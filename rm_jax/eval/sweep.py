@@ -23,11 +23,14 @@ import numpy as np
 from rm_jax.data import records
 from rm_jax.data.render import Renderer
 from rm_jax.data.schema import Sample, read_samples
+from rm_jax.data.attacks import ATTACK, of_kind
+from rm_jax.eval import audit as audit_lib
+from rm_jax.eval import calibration as cal
 from rm_jax.eval import plots
 from rm_jax.eval.baseline import shortcut_baseline
 from rm_jax.metrics import METRIC_KEYS, failures_by_issue, judge_metrics, to_jsonable
 from rm_jax.eval.reward_report import format_markdown, reward_report
-from rm_jax.eval.selection import SelectionRule, SweepRow, format_table, select_checkpoint
+from rm_jax.eval.selection import Choice, SelectionRule, SweepRow, format_table, select_checkpoint
 from rm_jax.score.reward import RewardSettings, compute_reward, sample_has_image
 from rm_jax.train.metrics_log import read_metrics
 
@@ -122,10 +125,56 @@ def val_losses(workdir: str) -> dict[int, float]:
     return {int(r["step"]): float(r["val_loss"]) for r in rows if r.get("val_loss") is not None}
 
 
+def step_calibration(method: str, shares: dict, heldout: Sequence[Sample], results: Sequence) -> cal.Calibration:
+    """One step's calibration: ``prior`` from the run's label shares; ``temperature`` fitted on the
+    calibration half of the held-out split (``cal.calibration_split``) of this step's P(pass)."""
+    if method == "none":
+        return cal.IDENTITY
+    if method == "prior":
+        return cal.Calibration("prior", shift=cal.prior_shift(shares))
+    samples, scored = scored_pairs(heldout, results)
+    mask = cal.calibration_split([s.prompt_id for s in samples])
+    p = np.clip(np.asarray([r.p_pass for r in scored], np.float64), cal.EPS, 1 - cal.EPS)
+    y = np.asarray([s.label.l3 == "pass" for s in samples], np.float64)
+    return cal.Calibration("temperature", temperature=cal.fit_temperature((np.log(p) - np.log1p(-p))[mask], y[mask]))
+
+
+def calibrated(results: Sequence, calibration: cal.Calibration) -> list:
+    """Results with P(pass) calibrated (the rows without one unchanged)."""
+    if calibration.method == "none":
+        return list(results)
+    return [dataclasses.replace(r, p_pass=calibration.p_pass(r.p_pass)) if has_p_pass(r) else r for r in results]
+
+
+@dataclasses.dataclass(frozen=True)
+class Robustness:
+    """The robustness audit in the sweep: attacks on a fixed subset of failing held-out samples."""
+    samples: int = 0                 # failing held-out samples audited per step (0: no audit)
+    gate: float | None = None        # a step whose worst attack flip rate exceeds this is not chosen
+    seed: int = 0
+
+    def subset(self, heldout: Sequence[Sample]) -> list[Sample]:
+        return [s for s in heldout if s.label.l3 == "fail"][:self.samples]
+
+
+def gate_rows(rows: Sequence[SweepRow], audits: dict[int, dict], gate: float | None
+              ) -> tuple[list[SweepRow], dict[int, str]]:
+    """(rows that pass the robustness gate, {excluded step: why})."""
+    if gate is None:
+        return list(rows), {}
+    excluded = {}
+    for r in rows:
+        worst = audits[r.step]["worst_attack"]
+        if worst is not None and worst["flip_rate"] > gate:
+            excluded[r.step] = f"{worst['name']} flips {worst['flip_rate']:.1%} > gate {gate:.1%}"
+    return [r for r in rows if r.step not in excluded], excluded
+
+
 def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRule(), decode: bool = True,
               max_samples: int = 0, batch_size: int = 16, max_new_tokens: int = 64,
               progress: bool = False,
-              reward: RewardSettings = RewardSettings()) -> dict:
+              reward: RewardSettings = RewardSettings(), calibration: str = "none",
+              robustness: Robustness = Robustness()) -> dict:
     import jax
     if jax.process_count() > 1:
         raise RuntimeError(f"the sweep runs in one process; this one is process {jax.process_index()} of "
@@ -144,19 +193,43 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
     if not steps:
         raise FileNotFoundError(f"{workdir}/checkpoints holds no checkpoint to sweep")
     losses = val_losses(workdir)
+    shares = cal.label_shares(data_dir, int(cfg.data.oversample_fail))
+    audit_subset = robustness.subset(heldout) if (robustness.samples or robustness.gate is not None) else []
+    if robustness.gate is not None and not audit_subset:
+        raise ValueError(f"--robustness_gate needs failing held-out samples to audit; {data_dir} has none "
+                         f"among the {len(heldout)} scored")
     per_step: dict[int, StepScores] = {}
+    raw_results: dict[int, list] = {}
+    step_cal: dict[int, cal.Calibration] = {}
+    audits: dict[int, dict] = {}
     for step in steps:
         ts = time.time()
         model, _, _ = load_judge(workdir, step)
         scorer = Scorer.for_run(model, renderer, cfg, batch_size=batch_size, max_new_tokens=max_new_tokens,
                                 progress=progress)
-        results = scorer.score(heldout) if decode else scorer.p_pass(heldout)
+        raw_results[step] = scorer.score(heldout) if decode else scorer.p_pass(heldout)
+        step_cal[step] = step_calibration(calibration, shares, heldout, raw_results[step])
+        results = calibrated(raw_results[step], step_cal[step])
+        if audit_subset:
+            audits[step] = audit_lib.audit(scorer, audit_subset, seed=robustness.seed,
+                                           transforms=of_kind(ATTACK), batch=False)
         per_step[step] = StepScores(step, results, evaluate_results(heldout, results), time.time() - ts)
         print(f"step {step}: auc {per_step[step].metrics['auc']}, middle zone "
               f"{per_step[step].metrics['middle_zone']:.3f}, fail F1 {per_step[step].metrics['fail_f1']:.3f} "
               f"({per_step[step].seconds:.1f}s)", flush=True)
     rows = [SweepRow.from_metrics(s, per_step[s].metrics, losses.get(s)) for s in steps]
-    choice = select_checkpoint(rows, rule)
+    allowed, excluded = gate_rows(rows, audits, robustness.gate)
+    if allowed:
+        choice = select_checkpoint(allowed, rule)
+        if excluded:
+            choice = dataclasses.replace(choice, reason=choice.reason + "; robustness gate excluded " + "; ".join(
+                f"step {s} ({why})" for s, why in sorted(excluded.items())))
+    else:
+        least = min(rows, key=lambda r: (audits[r.step]["worst_attack"]["flip_rate"], r.step))
+        choice = Choice(step=least.step, candidates=[], fallback=True,
+                        reason=f"FALLBACK step {least.step}: every step exceeds the robustness gate "
+                               f"{robustness.gate:.1%} (" + "; ".join(f"step {s}: {why}" for s, why in sorted(excluded.items()))
+                               + "); took the lowest worst-attack flip rate")
     naive = select_checkpoint(rows, SelectionRule.lowest_val_loss()) if any(r.val_loss is not None for r in rows) else None
     chosen = per_step[choice.step]
     chosen_samples, chosen_results = scored_pairs(heldout, chosen.results)
@@ -165,6 +238,11 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
     # wrote the verdict slot): the sweep still reports every row, with n_unscored saying why.
     reward_val = reward_report(rewards) if chosen_samples else None
     baseline = shortcut_baseline(splits["train"], heldout)
+    raw_samples, raw_chosen = scored_pairs(heldout, raw_results[choice.step])
+    cal_table = None
+    if raw_samples:
+        cal_table = cal.calibration_table([r.p_pass for r in raw_chosen], [s.label.l3 == "pass" for s in raw_samples],
+                                          cal.calibration_split([s.prompt_id for s in raw_samples]), shares)
 
     labels = [s.label.l3 for s in chosen_samples]
     p_pass = [r.p_pass for r in chosen_results]
@@ -177,6 +255,13 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
             labels, p_pass, os.path.join(plot_dir, f"p_pass_hist_step{choice.step}.png"))
         plot_paths["reward_hist"] = plots.plot_reward_hist(
             labels, [r["reward"] for r in rewards], os.path.join(plot_dir, f"reward_hist_step{choice.step}.png"))
+    if cal_table is not None:
+        path = os.path.join(plot_dir, f"calibration_step{choice.step}.png")
+        cal.reliability_diagram(path, cal_table.pop("curves"), xlabel="P(pass) (evaluation half of held-out)")
+        plot_paths["calibration"] = path
+    if step_cal[choice.step].method == "temperature":
+        cal.save_temperature(workdir, step_cal[choice.step].temperature, step=choice.step,
+                             n=cal_table["n_calibration"] if cal_table else 0)
     out = to_jsonable({
         "workdir": os.path.abspath(workdir), "data": os.path.abspath(data_dir), "n_heldout": len(heldout),
         "rule": rule.describe(), "rows": [dataclasses.asdict(r) for r in rows],
@@ -186,20 +271,40 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
         "lowest_val_loss_step": naive.step if naive else None,
         "reward_validation": reward_val,
         "reward_config": reward.to_json(), "shortcut_baseline": baseline, "plots": plot_paths,
+        "calibration": {"method": calibration, "applied": step_cal[choice.step].to_json(), "table": cal_table},
+        "robustness": {"samples": len(audit_subset), "gate": robustness.gate,
+                       "by_step": {s: a for s, a in audits.items()}, "excluded": excluded},
         "seconds": round(time.time() - t0, 2), "seconds_per_step": {s: round(v.seconds, 2) for s, v in per_step.items()},
     })
     with open(os.path.join(workdir, "sweep.json"), "w") as f:
         json.dump(out, f, indent=2)
     with open(os.path.join(workdir, "sweep.md"), "w") as f:
-        f.write(format_sweep_markdown(out, rows, choice))
+        f.write(format_sweep_markdown(out, rows, choice, audits))
     return out
 
 
-def format_sweep_markdown(out: dict, rows: Sequence[SweepRow], choice) -> str:
+def robustness_cells(audits: dict[int, dict]) -> dict[str, dict[int, str]]:
+    """The sweep table's robustness column: each step's worst attack and its flip rate."""
+    if not audits:
+        return {}
+    cells = {}
+    for step, a in audits.items():
+        w = a["worst_attack"]
+        cells[step] = "—" if w is None else f"{w['flip_rate']:.1%} {w['name']}"
+    return {"worst attack flip": cells}
+
+
+def format_sweep_markdown(out: dict, rows: Sequence[SweepRow], choice, audits: dict[int, dict] | None = None) -> str:
     c = out["chosen"]
-    lines = ["# Checkpoint sweep", "", f"Held-out samples: {out['n_heldout']}. Rule: {out['rule']}.", "",
-             format_table(rows, choice), "",
+    lines = ["# Checkpoint sweep", "", f"Held-out samples: {out['n_heldout']}. Rule: {out['rule']}. "
+             f"P(pass) calibration: {out['calibration']['method']}.", "",
+             format_table(rows, choice, robustness_cells(audits or {})), "",
              f"**Chosen: step {c['step']}.** {c['reason']}"]
+    rob = out["robustness"]
+    if rob["samples"]:
+        lines += ["", f"Robustness: attacks of rm_jax.data.attacks on the first {rob['samples']} failing held-out "
+                  f"samples; flip rate = caught failures (P(pass) < 0.5) lifted to P(pass) >= 0.5; gate "
+                  f"{'off' if rob['gate'] is None else format(rob['gate'], '.1%')}."]
     if out.get("lowest_val_loss_step") is not None:
         lines.append(f"(The lowest validation loss is at step {out['lowest_val_loss_step']}.)")
     lines += ["", "## Chosen checkpoint by slice", "", "| slice | n | fails | accuracy | fail F1 | AUC | middle zone |",
@@ -220,11 +325,27 @@ def format_sweep_markdown(out: dict, rows: Sequence[SweepRow], choice) -> str:
               f"{_fmt(c.get('mean_off_vocab_mass'), '{:.4f}')}.", "", "## Reward validation (chosen step)", "",
               format_markdown(out["reward_validation"]) if out["reward_validation"] else
               "No held-out sample has a P(pass) at the chosen step (all unscored): nothing to validate.",
+              "", "## Calibration of P(pass) (chosen step)", "", format_calibration(out["calibration"]),
               "", "## Shortcut baseline", "",
               f"Logistic regression on response length/format features only: held-out AUC "
               f"{_fmt(out['shortcut_baseline'].get('auc'), '{:.3f}')} (near 0.5 = the labels do not leak "
               f"through surface features)."]
     return "\n".join(lines) + "\n"
+
+
+def format_calibration(record: dict) -> str:
+    t = record["table"]
+    if t is None:
+        return "No held-out sample has a P(pass) at the chosen step: nothing to calibrate."
+    sh = t["shares"]
+    lines = [f"Temperature fitted on a calibration half of the held-out split ({t['n_calibration']} samples, "
+             f"by prompt): T = {t['temperature']:.3f}. Prior shift {t['shift']:+.3f} (training stream "
+             f"{sh['train_stream_fail_share']:.1%} fail, held-out {sh['heldout_fail_share']:.1%}). "
+             f"Figures on the other {t['n_evaluation']} samples; applied in this sweep: {record['method']}.", "",
+             "| calibration | NLL | Brier | ECE |", "|---|---|---|---|"]
+    for name, m in t["rows"].items():
+        lines.append(f"| {name} | {_fmt(m['nll'], '{:.4f}')} | {_fmt(m['brier'], '{:.4f}')} | {_fmt(m['ece'], '{:.4f}')} |")
+    return "\n".join(lines)
 
 
 def _fmt(x, fmt: str = "{:.1%}") -> str:

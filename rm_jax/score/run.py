@@ -11,6 +11,7 @@ import json
 import os
 
 from rm_jax.data.schema import Reject, read_samples, render_error
+from rm_jax.eval.calibration import IDENTITY, Calibration
 from rm_jax.score.reward import RewardSettings, compute_reward
 
 
@@ -30,8 +31,9 @@ def renderer_for(workdir: str, tokenizer: str):
 
 def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None = None, tokenizer: str = "",
                batch_size: int = 16, max_new_tokens: int = 64, progress: bool = True,
-               reward: RewardSettings = RewardSettings()) -> dict:
-    """Score ``input_path`` into ``out_path``; ``reward`` = (weights, rule penalties)."""
+               reward: RewardSettings = RewardSettings(), calibration: Calibration = IDENTITY) -> dict:
+    """Score ``input_path`` into ``out_path``; ``reward`` = (weights, rule penalties);
+    ``calibration`` maps P(pass) before the reward reads it (identity by default)."""
     import jax
     if jax.process_count() > 1:
         raise RuntimeError(f"scoring runs in one process; this one is process {jax.process_index()} of "
@@ -65,7 +67,7 @@ def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None
         for row in rows:
             if row is None:
                 sample, r = next(results)
-                row = result_row(sample, r, reward)
+                row = result_row(sample, r, reward, calibration)
                 if "error" in row:
                     row = {"id": row["id"], "line": sample.line, "error": row["error"]}
             if "error" in row:
@@ -73,32 +75,37 @@ def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None
             else:
                 n_scored += 1
             f.write(json.dumps(row, ensure_ascii=False, default=float) + "\n")
-    return {"scored": n_scored, "errors": n_err, "step": used_step, "out": out_path}
+    return {"scored": n_scored, "errors": n_err, "step": used_step, "out": out_path,
+            "calibration": calibration.to_json()}
 
 
-def result_row(sample, r, reward: RewardSettings = RewardSettings()) -> dict:
+def result_row(sample, r, reward: RewardSettings = RewardSettings(), calibration: Calibration = IDENTITY) -> dict:
     """One ``launch.score`` row for a scored sample (a ``JudgeResult``): the verdict, the rule
     checks and the reward; ``{id, error}`` when it has no P(pass). ``launch.score`` and the
-    server's ``/v1/score`` both write rows through here, so they cannot drift apart."""
+    server's ``/v1/score`` both write rows through here, so they cannot drift apart. With a
+    calibration, ``p_pass`` and the reward's P(pass) term are the calibrated value; ``verdict`` stays
+    the token the judge wrote."""
     if r.error is not None or not r.slot_found:
         # Over the largest bucket (the scorer's own check), or a reason-first judge that never
         # wrote the verdict slot: no P(pass), so no reward either.
         return {"id": sample.id, "error": r.error or "no_verdict_slot: the judge's output has no \"l3\" value"}
-    rw = compute_reward(sample, r.p_pass, list(r.issues), r.img, *reward)
-    return {"id": sample.id, "p_pass": r.p_pass, "verdict": r.verdict, "reason": r.reason,
+    p_pass = calibration.p_pass(r.p_pass)
+    rw = compute_reward(sample, p_pass, list(r.issues), r.img, *reward)
+    return {"id": sample.id, "p_pass": p_pass, "verdict": r.verdict, "reason": r.reason,
             "issues": list(r.issues), "img": r.img, "parse_ok": r.parse_ok,
             "off_vocab_mass": r.off_vocab_mass, "rule_score": rw.rule_score,
             "components": rw.components, "reward": rw.reward}
 
 
-def p_pass_row(sample, v, reward: RewardSettings = RewardSettings()) -> dict:
+def p_pass_row(sample, v, reward: RewardSettings = RewardSettings(), calibration: Calibration = IDENTITY) -> dict:
     """A row from P(pass) alone (a ``VerdictScore``, no decoding): the verdict is the slot's argmax,
     reason/issues/img are not read, and the reward is the rule part plus the P(pass) term only
     (``components["judge_terms"] == "p_pass_only"`` says so)."""
     if v.error is not None or not v.slot_found:
         return {"id": sample.id, "error": v.error or "no_verdict_slot: the judge's output has no \"l3\" value"}
-    rw = compute_reward(sample, v.p_pass, 0, None, *reward)
-    return {"id": sample.id, "p_pass": v.p_pass, "verdict": "pass" if v.logit_pass >= v.logit_fail else "fail",
+    p_pass = calibration.p_pass(v.p_pass)
+    rw = compute_reward(sample, p_pass, 0, None, *reward)
+    return {"id": sample.id, "p_pass": p_pass, "verdict": "pass" if v.logit_pass >= v.logit_fail else "fail",
             "reason": None, "issues": [], "img": None, "parse_ok": None, "off_vocab_mass": v.off_vocab_mass,
             "rule_score": rw.rule_score, "components": {**rw.components, "judge_terms": "p_pass_only"},
             "reward": rw.reward}
