@@ -143,3 +143,77 @@ def test_rebuild_into_the_same_folder_leaves_no_stale_shards(tiny_cfg, synth_dir
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ValueError, match="is a file"):
         build.build(src, str(tmp_path / "afile"), renderer, small, progress=False)
+
+
+def _tree_hashes(root) -> dict[str, str]:
+    import hashlib
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def chunked_input(synth_dir, tmp_path_factory):
+    """60 synthetic rows plus a blank line, a bad row and an id that repeats one of an earlier
+    chunk, cut into 16-line chunks (so 2 hosts each build several)."""
+    rows = open(os.path.join(synth_dir, "samples.jsonl")).read().splitlines()[:60]
+    rows[20:20] = ["", "{broken"]
+    rows.append(rows[3])              # chunk 3 repeats an id of chunk 0: the first occurrence wins
+    d = tmp_path_factory.mktemp("chunked")
+    os.symlink(os.path.join(synth_dir, "images"), d / "images")
+    path = d / "samples.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+def test_output_identical_whatever_workers_and_hosts(tiny_cfg, renderer, chunked_input, tmp_path):
+    """The acceptance equality: N=1 vs N=2 worker processes and k=1 vs k=2 hosts write the same
+    bytes (shards, indexes, stats, rejects, manifest, parts), and a later slice's duplicate of an
+    earlier slice's id is rejected as one reader would."""
+    opts = dataclasses.replace(build.BuildOptions.from_config(tiny_cfg.data), shard_max_examples=16)
+    ref = build.build(chunked_input, str(tmp_path / "n1k1"), renderer, opts, progress=False)
+    assert ref.stats["chunks"] == 4 and ref.stats["read"] == 60 + 1 + 1
+    assert ref.stats["rejected_by_reason"] == {"duplicate_id": 1, "malformed_json": 1}
+    assert build.build(chunked_input, str(tmp_path / "n2k1"), renderer, opts, progress=False, num_workers=2)
+    # Slice 1 finishes first (nothing to merge yet); slice 0 completes the set and merges.
+    assert build.build(chunked_input, str(tmp_path / "n1k2"), renderer, opts, progress=False,
+                       shard_index=1, num_shards=2) is None
+    assert not (tmp_path / "n1k2" / "stats.json").exists()
+    assert build.build(chunked_input, str(tmp_path / "n1k2"), renderer, opts, progress=False,
+                       shard_index=0, num_shards=2)
+    want = _tree_hashes(tmp_path / "n1k1")
+    assert sum(records.is_shard_file(f, "train") for f in want) == 4
+    assert _tree_hashes(tmp_path / "n2k1") == want
+    assert _tree_hashes(tmp_path / "n1k2") == want
+    # The same split as a one-pass reading: every kept id once, prompts never in both splits.
+    kept = {s: [r["id"] for r in _ids(str(tmp_path / "n1k1"), s)] for s in records.SPLITS}
+    rows = [json.loads(line) for line in open(chunked_input) if line.strip() and line != "{broken\n"]
+    assert sorted(kept["train"] + kept["heldout"]) == sorted({r["id"] for r in rows})
+    for s in records.SPLITS:
+        assert all(build.split_of(r["prompt_id"], opts.heldout_fraction, opts.split_seed) == s
+                   for r in rows if r["id"] in kept[s])
+
+
+def test_merge_alone_and_refusals(tiny_cfg, renderer, chunked_input, tmp_path):
+    """`merge` rebuilds the reports from the slices' parts; it refuses while a chunk is missing or
+    was built from another input."""
+    opts = dataclasses.replace(build.BuildOptions.from_config(tiny_cfg.data), shard_max_examples=16)
+    out = tmp_path / "out"
+    assert build.build(chunked_input, str(out), renderer, opts, progress=False, shard_index=0, num_shards=2) is None
+    with pytest.raises(ValueError, match=r"chunks \[1, 3\] of 4 are not built"):
+        build.merge(chunked_input, str(out), renderer, opts)
+    whole = build.build(chunked_input, str(out), renderer, opts, progress=False, shard_index=1, num_shards=2)
+    want = _tree_hashes(out)
+    for name in ("stats.json", "manifest.json", "rejects.jsonl", "train_index.npz", "heldout_index.npz"):
+        (out / name).unlink()
+    assert build.merge(chunked_input, str(out), renderer, opts).stats == whole.stats
+    assert _tree_hashes(out) == want
+    # A changed input: every part is stale, so nothing is merged from the earlier build.
+    other = tmp_path / "other.jsonl"
+    other.write_text(open(chunked_input).read().replace('"pass"', '"fail"', 1))
+    with pytest.raises(ValueError, match=r"chunks \[0, 1, 2, 3\] of 4 are not built"):
+        build.merge(str(other), str(out), renderer, opts)

@@ -86,10 +86,16 @@ class ClassCollector:
         return self._decoded[token]
 
     def add(self, sample, input_ids: np.ndarray, response_span: tuple[int, int]) -> None:
+        self.update(self.hits(sample, input_ids, response_span))
+
+    def hits(self, sample, input_ids: np.ndarray, response_span: tuple[int, int]) -> list[tuple[str, str, int]]:
+        """One sample's contribution: (tool, argument, the single token its value renders as)
+        rows (a parallel build computes these in its workers and merges them with `update`)."""
         start, end = response_span
         if start < 0 or sample.response is None:
-            return
+            return []
         tokens = [int(t) for t in input_ids[start:end]]
+        found: list[tuple[str, str, int]] = []
         for call in sample.response.tool_calls:
             if not isinstance(call.arguments, dict):
                 continue
@@ -99,7 +105,12 @@ class ClassCollector:
                     continue
                 hits = {t for t in tokens if self._text(t) == text}
                 if len(hits) == 1:
-                    self._by_arg.setdefault((call.name, arg), set()).update(hits)
+                    found.append((call.name, arg, hits.pop()))
+        return found
+
+    def update(self, hits: Iterable[Sequence]) -> None:
+        for tool, arg, token in hits:
+            self._by_arg.setdefault((tool, arg), set()).add(int(token))
 
     def classes(self) -> ValueClasses:
         # Union of the per-argument sets that share a token (the same value under two tools).

@@ -1,0 +1,209 @@
+"""Build's unit of work: a chunk of input lines, rendered in worker processes, written in order.
+
+The input is cut by physical line number into chunks of ``chunk_lines`` lines (chunk ``c`` holds
+lines ``c * chunk_lines + 1 ...``). Everything a chunk writes depends on its own lines only:
+
+* its shards, ``{split}-{chunk:05d}-{part:03d}.array_record``, in input order;
+* its part, ``parts/chunk-{chunk:05d}.json``: what the merge needs (rejects, index rows, lengths,
+  label balance, value-class hits, the ids it parsed) and the build's fingerprint.
+
+So the output cannot depend on how many processes rendered a chunk (`build_rows`) or which host
+built it.
+
+Duplicate ids are rejected in input order, as one reader would: within a chunk here, across chunks
+by the merge, which rebuilds a chunk with the ids that earlier chunks already took.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+from typing import Callable, Iterator
+
+from absl import logging
+from array_record.python.array_record_module import ArrayRecordWriter
+from tqdm import tqdm
+
+from rm_jax.data import records
+from rm_jax.data.build_rows import RowOptions, RowOutcome, render_in_order
+from rm_jax.data.render import ROUTE_TEXT_ONLY, ROUTE_TOOL_CALL, Renderer
+from rm_jax.data.schema import Reject, iter_jsonl
+
+PARTS_DIR = "parts"
+
+
+def part_path(out_dir: str, chunk: int) -> str:
+    return os.path.join(out_dir, PARTS_DIR, f"chunk-{chunk:05d}.json")
+
+
+def chunk_shard_prefix(split: str, chunk: int) -> str:
+    return f"{split}-{chunk:05d}-"
+
+
+class ChunkBuilder:
+    """Consumes one chunk's outcomes in order; writes its shards and, at `finish`, its part."""
+
+    def __init__(self, out_dir: str, chunk: int, shard_max_bytes: int, shard_max_examples: int,
+                 fingerprint: str, prior_ids: frozenset[str] = frozenset()):
+        self.out_dir, self.chunk, self.fingerprint = out_dir, chunk, fingerprint
+        self.max_bytes, self.max_examples = shard_max_bytes, shard_max_examples
+        self.prior_ids = prior_ids
+        for name in os.listdir(out_dir):   # this chunk's shards from an earlier build
+            if any(name.startswith(chunk_shard_prefix(s, chunk)) and records.is_shard_file(name, s)
+                   for s in records.SPLITS):
+                os.remove(os.path.join(out_dir, name))
+        self.read = 0
+        self.parsed_ids: list[str] = []
+        self._seen: set[str] = set()
+        self.rejects: list[dict] = []
+        self.too_long: list[int] = []
+        self.flagged: collections.Counter = collections.Counter()
+        self.splits = {s: {"shards": [], "ids": [], "prompt_ids": [], "index": {k: [] for k in INDEX_ROW_FIELDS}}
+                       for s in records.SPLITS}
+        self.text_lengths: list[int] = []
+        self.total_lengths: list[int] = []
+        self.image_tokens = self.n_images = 0
+        self.balance = {r: {"pass": 0, "fail": 0} for r in (ROUTE_TOOL_CALL, ROUTE_TEXT_ONLY)}
+        self.value_hits: list[list] = []
+        self._writers: dict[str, object] = {}
+        self._bytes = {s: 0 for s in records.SPLITS}
+        self._count = {s: 0 for s in records.SPLITS}
+
+    def add(self, outcome: RowOutcome | None) -> None:
+        if outcome is None:   # a blank line is not a row
+            return
+        self.read += 1
+        if outcome.parsed_id is not None:
+            if outcome.parsed_id in self._seen or outcome.parsed_id in self.prior_ids:
+                self.rejects.append(Reject(outcome.line, outcome.parsed_id, "duplicate_id",
+                                           f"line {outcome.line}, id {outcome.parsed_id}, field id: duplicate id")
+                                    .to_json())
+                return
+            self._seen.add(outcome.parsed_id)
+            self.parsed_ids.append(outcome.parsed_id)
+        if outcome.reject is not None:
+            self.rejects.append(outcome.reject.to_json())
+            if outcome.too_long_length is not None:
+                self.too_long.append(outcome.too_long_length)
+            return
+        ex = outcome.example
+        # Encoded here, not in the workers: they then never import JAX (flax's msgpack), so they
+        # start in a fraction of a second.
+        self._write(outcome.split, records.encode(ex, ex.pixel_values.dtype))
+        split = self.splits[outcome.split]
+        split["ids"].append(ex.id)
+        split["prompt_ids"].append(ex.prompt_id)
+        index = records.index_row(ex)
+        for field in INDEX_ROW_FIELDS:
+            split["index"][field].append(int(index[field]))
+        self.flagged.update(ex.flags)
+        self.total_lengths.append(ex.length)
+        self.text_lengths.append(ex.length - ex.n_image_tokens)
+        self.image_tokens += ex.n_image_tokens
+        self.n_images += int(ex.image_grid_thw.shape[0])
+        self.balance[ex.route]["fail" if ex.label == 1 else "pass"] += 1
+        self.value_hits.extend([list(h) for h in outcome.value_hits])
+
+    def _write(self, split: str, raw: bytes) -> None:
+        w = self._writers.get(split)
+        if w is None or self._count[split] >= self.max_examples or \
+                (self._count[split] and self._bytes[split] + len(raw) > self.max_bytes):
+            if w is not None:
+                w.close()
+            name = f"{chunk_shard_prefix(split, self.chunk)}{len(self.splits[split]['shards']):03d}.array_record"
+            # group_size:1 keeps every record individually seekable (Grain reads randomly).
+            w = self._writers[split] = ArrayRecordWriter(os.path.join(self.out_dir, name), "group_size:1")
+            self.splits[split]["shards"].append(name)
+            self._bytes[split] = self._count[split] = 0
+        w.write(raw)
+        self._bytes[split] += len(raw)
+        self._count[split] += 1
+
+    def finish(self) -> "ChunkPart":
+        for w in self._writers.values():
+            w.close()
+        part = ChunkPart(
+            fingerprint=self.fingerprint, chunk=self.chunk, read=self.read, parsed_ids=self.parsed_ids,
+            rejects=self.rejects, too_long_lengths=self.too_long, flagged=dict(sorted(self.flagged.items())),
+            splits=self.splits, text_lengths=self.text_lengths, total_lengths=self.total_lengths,
+            image_tokens=self.image_tokens, n_images=self.n_images, balance=self.balance,
+            value_hits=self.value_hits)
+        part.write(self.out_dir)
+        return part
+
+
+INDEX_ROW_FIELDS = tuple(f for f in records.INDEX_FIELDS if f != "prompt")   # "prompt" is numbered by the merge
+
+
+@dataclasses.dataclass
+class ChunkPart:
+    """A chunk's summary, as the merge reads it from `parts/chunk-NNNNN.json`."""
+    fingerprint: str
+    chunk: int
+    read: int
+    parsed_ids: list[str]
+    rejects: list[dict]
+    too_long_lengths: list[int]
+    flagged: dict[str, int]
+    splits: dict[str, dict]
+    text_lengths: list[int]
+    total_lengths: list[int]
+    image_tokens: int
+    n_images: int
+    balance: dict[str, dict[str, int]]
+    value_hits: list[list]
+
+    def write(self, out_dir: str) -> None:
+        path = part_path(out_dir, self.chunk)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(dataclasses.asdict(self), f, ensure_ascii=False, separators=(",", ":"))
+        os.replace(tmp, path)   # a part is either whole or absent (the merge tests presence)
+
+    @classmethod
+    def read_if_current(cls, out_dir: str, chunk: int, fingerprint: str) -> "ChunkPart | None":
+        """The chunk's part if it exists and was built by this build (same input, options, renderer)."""
+        try:
+            with open(part_path(out_dir, chunk)) as f:
+                part = cls(**json.load(f))
+        except (FileNotFoundError, json.JSONDecodeError, TypeError):
+            return None
+        return part if part.fingerprint == fingerprint else None
+
+
+def build_chunks(input_path: str, out_dir: str, renderer: Renderer, row_opts: RowOptions, *, chunk_lines: int,
+                 shard_max_bytes: int, fingerprint: str, wanted: Callable[[int], bool], num_workers: int,
+                 prior_ids: dict[int, frozenset[str]] | None = None, progress: bool = False) -> tuple[list[int], int]:
+    """Builds every chunk `wanted(c)` selects. Returns (chunks built, the input's line count)."""
+    prior_ids = prior_ids or {}
+    n_lines = 0
+
+    def mine() -> Iterator[tuple[int, bytes]]:
+        nonlocal n_lines
+        for line, raw in iter_jsonl(input_path):
+            n_lines = line
+            if wanted((line - 1) // chunk_lines):
+                yield line, raw
+
+    base_dir = os.path.dirname(os.path.abspath(input_path))
+    built: list[int] = []
+    current: ChunkBuilder | None = None
+    bar = tqdm(desc="build", unit="line", disable=not progress, mininterval=2.0)
+    for line, outcome in render_in_order(mine(), renderer, row_opts, base_dir, num_workers):
+        chunk = (line - 1) // chunk_lines
+        if current is None or current.chunk != chunk:
+            if current is not None:
+                current.finish()
+            current = ChunkBuilder(out_dir, chunk, shard_max_bytes, chunk_lines, fingerprint,
+                                   prior_ids.get(chunk, frozenset()))
+            built.append(chunk)
+        current.add(outcome)
+        bar.update(1)
+    if current is not None:
+        current.finish()
+    bar.close()
+    logging.info("built chunks %s of %s (%d lines)", built[:8], input_path, n_lines)
+    return built, n_lines

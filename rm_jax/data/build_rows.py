@@ -1,0 +1,140 @@
+"""Rendering input lines in N worker processes, results in input order.
+
+The main process reads lines in order and hands batches of them to N workers, then consumes the
+results in submission order. Workers are forked where the OS can (Linux): they inherit the loaded
+renderer and start in milliseconds, where a spawned worker re-imports transformers' image stack
+(torch included, 5-20 s each on a busy 2-core host). They run only the tokenizer, PIL and numpy,
+never JAX, so the JAX runtime's threads in the parent do not matter to them (rows are encoded
+into records in the main process for the same reason). Elsewhere they are spawned. At most a few batches per worker are in flight, so memory is
+bounded by the worker count, not the input size. One worker renders in the calling process with
+the same code, so the outcome of a line cannot depend on the worker count.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import hashlib
+import multiprocessing
+from typing import Iterator
+
+import numpy as np
+
+from rm_jax.data import value_swap
+from rm_jax.data.render import JudgeInput, Renderer
+from rm_jax.data.schema import Reject, Sample, SampleError, parse_line
+
+BATCH_LINES = 16          # lines per task sent to a worker (amortizes the pickling round trip)
+IN_FLIGHT_PER_WORKER = 4  # tasks queued per worker: keeps workers busy, bounds memory
+
+
+def split_of(prompt_id: str, heldout_fraction: float, seed: int) -> str:
+    h = hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()
+    u = int.from_bytes(h[:8], "big") / 2.0 ** 64
+    return "heldout" if u < heldout_fraction else "train"
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOptions:
+    """What rendering one row needs besides the renderer (picklable, sent to each worker)."""
+    max_len: int
+    heldout_fraction: float
+    split_seed: int
+    pixel_dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOutcome:
+    """One non-blank input line: kept, or rejected with its reason."""
+    line: int
+    parsed_id: str | None          # the id when the line parsed as a Sample (duplicates key on it)
+    example: JudgeInput | None = None   # kept: pixels already in the storage dtype
+    split: str = ""
+    value_hits: tuple = ()              # value_swap.ClassCollector.hits rows (train split only)
+    reject: Reject | None = None
+    too_long_length: int | None = None
+
+
+class RowRenderer:
+    """Line bytes -> RowOutcome. The same code runs in-process (one worker) and in each worker."""
+
+    def __init__(self, renderer: Renderer, opts: RowOptions, base_dir: str):
+        self.renderer, self.opts, self.base_dir = renderer, opts, base_dir
+        self.pixel_dtype = np.dtype(opts.pixel_dtype)
+        self.values = value_swap.ClassCollector(renderer.tokenizer)   # its decode cache lives per worker
+
+    def __call__(self, line: int, raw: bytes) -> RowOutcome | None:
+        item = parse_line(raw, line=line, base_dir=self.base_dir)
+        if item is None:
+            return None
+        if isinstance(item, Reject):
+            return RowOutcome(line, None, reject=item)
+        sample: Sample = item
+        try:
+            ex: JudgeInput = self.renderer.render(sample)
+        except SampleError as e:
+            return RowOutcome(line, sample.id, reject=Reject(
+                sample.line, sample.id, e.reason, f"line {sample.line}, id {sample.id}, field {e.field}: {e.detail}"))
+        except Exception as e:   # noqa: BLE001 -- one bad row is rejected with its reason, never fatal
+            return RowOutcome(line, sample.id, reject=Reject(
+                sample.line, sample.id, "render_error", f"line {sample.line}, id {sample.id}: {type(e).__name__}: {e}"))
+        if ex.length > self.opts.max_len:
+            return RowOutcome(line, sample.id, too_long_length=ex.length, reject=Reject(
+                sample.line, sample.id, "too_long",
+                f"line {sample.line}, id {sample.id}: {ex.length} tokens > max_len {self.opts.max_len}"))
+        split = split_of(sample.prompt_id, self.opts.heldout_fraction, self.opts.split_seed)
+        hits = tuple(self.values.hits(sample, ex.input_ids, ex.response_span)) if split == "train" else ()
+        ex = dataclasses.replace(ex, pixel_values=ex.pixel_values.astype(self.pixel_dtype), flags=tuple(ex.flags))
+        return RowOutcome(line, sample.id, example=ex, split=split, value_hits=hits)
+
+    def batch(self, lines: list[tuple[int, bytes]]) -> list[RowOutcome | None]:
+        return [self(line, raw) for line, raw in lines]
+
+
+_WORKER: RowRenderer | None = None
+
+
+def _init_worker(renderer: Renderer, opts: RowOptions, base_dir: str) -> None:
+    global _WORKER
+    _WORKER = RowRenderer(renderer, opts, base_dir)
+
+
+def _render_batch(lines: list[tuple[int, bytes]]) -> list[RowOutcome | None]:
+    return _WORKER.batch(lines)
+
+
+def render_in_order(lines: Iterator[tuple[int, bytes]], renderer: Renderer, opts: RowOptions, base_dir: str,
+                    num_workers: int) -> Iterator[tuple[int, RowOutcome | None]]:
+    """(line, outcome) for every line, in input order, rendered by `num_workers` processes
+    (1: in this process)."""
+    if num_workers <= 1:
+        rows = RowRenderer(renderer, opts, base_dir)
+        for line, raw in lines:
+            yield line, rows(line, raw)
+        return
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    with concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_init_worker,
+                                                initargs=(renderer, opts, base_dir)) as pool:
+        pending: collections.deque = collections.deque()
+        batch: list[tuple[int, bytes]] = []
+
+        def submit(b):
+            pending.append(([line for line, _ in b], pool.submit(_render_batch, b)))
+
+        def drain(keep: int):
+            while len(pending) > keep:
+                line_nos, fut = pending.popleft()
+                yield from zip(line_nos, fut.result())
+
+        for item in lines:
+            batch.append(item)
+            if len(batch) == BATCH_LINES:
+                submit(batch)
+                batch = []
+                yield from drain(IN_FLIGHT_PER_WORKER * num_workers)
+        if batch:
+            submit(batch)
+        yield from drain(0)
+
+
