@@ -126,7 +126,7 @@ def _stream_in_process(engine, parsed: list, clients: int, seconds: float, seed:
     the worker drives it. A first half untimed (the pool fills as under load), then the samples of
     requests answered in the second half count. Against in-process scoring it isolates the
     scheduling from HTTP."""
-    from rm_jax.serve.engine import KIND_FULL
+    from rm_jax.score.scorer import ScoreMode
     stream = engine.score_stream(max_wait_s=max_wait_s)
     rng = random.Random(seed)
     cursor, sizes, samples, requests = rng.randrange(len(parsed)), {}, 0, 0
@@ -137,7 +137,7 @@ def _stream_in_process(engine, parsed: list, clients: int, seconds: float, seed:
         sizes[token] = k
         batch = [parsed[(cursor + i) % len(parsed)] for i in range(k)]
         cursor = (cursor + k) % len(parsed)
-        done = stream.admit(token, KIND_FULL, batch, time.monotonic())
+        done = stream.admit(token, ScoreMode.FULL, batch, time.monotonic())
         assert not done, "a request of parsed samples cannot finish at admission"
     start = time.perf_counter()
     timed, end = start + seconds / 2, start + seconds

@@ -92,7 +92,7 @@ def test_image_ladder_padding_leaves_p_pass_unchanged(judge, renderer, samples, 
     _, model, _, _ = judge
     laddered = Scorer(model, renderer, field_order=VERDICT_FIRST, buckets=BUCKETS, batch_size=4,
                       max_new_tokens=48, progress=False, frame_capacity=256)
-    assert laddered._ladder.patches_per_image == 128
+    assert laddered.ladder.patches_per_image == 128
     for a, b in zip(scorer.p_pass(samples), laddered.p_pass(samples)):
         assert a.id == b.id and abs(a.p_pass - b.p_pass) < 1e-5, (a, b)
 

@@ -17,11 +17,10 @@ import time
 import httpx
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_fixtures import REPO, JudgeServer, make_judge_workdir, server_env  # noqa: E402
+from serve_fixtures import REPO, JudgeServer, make_judge_workdir, server_env
 
-from rm_jax.data.schema import decode_arguments  # noqa: E402
-from rm_jax.serve.toolcalls import parse_raw_response  # noqa: E402
+from rm_jax.data.schema import decode_arguments
+from rm_jax.serve.toolcalls import parse_raw_response
 
 KEY = "test-key-123"
 MAX_QUEUE = 16

@@ -5,16 +5,15 @@ alone, in order, and GRPO groups split over requests still share one prefix pref
 import asyncio
 import dataclasses
 import os
-import sys
 import threading
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_fixtures import SMALL_MODEL  # noqa: E402
+from serve_fixtures import SMALL_MODEL
 
-from rm_jax.data.schema import Sample, read_samples  # noqa: E402
+from rm_jax.data.schema import Sample, read_samples
+from rm_jax.score.scorer import ScoreMode
 
 BATCH = 4
 
@@ -80,16 +79,16 @@ def _shared_spy(scorer):
 
 # "score" decodes every request alone as the reference (~2.5 min on 2 cores): slow; the HTTP
 # tests (test_serve.py) run full scoring through the stream in the default suite.
-@pytest.mark.parametrize("mode", ["p_pass", pytest.param("score", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["p_pass", pytest.param("full", marks=pytest.mark.slow)])
 def test_stream_rows_equal_each_request_alone_in_order_groups_shared(scorer, requests, mode, monkeypatch, request):
     from rm_jax.serve.stream import ScoreStream
     alone = (request.getfixturevalue("alone_p_pass") if mode == "p_pass" else [scorer.score(r) for r in requests])
     batches = []
-    stream = ScoreStream(scorer, {"k": mode}, lambda kind, samples, results: list(results), max_wait_s=0.0,
+    stream = ScoreStream(scorer, lambda kind, samples, results: list(results), max_wait_s=0.0,
                          on_batch=lambda kind, n: batches.append(n))
     seen, spy = _shared_spy(scorer)
     monkeypatch.setattr(scorer, "dispatch_shared", spy)
-    done = _drain(stream, [(i, "k", r) for i, r in enumerate(requests)])
+    done = _drain(stream, [(i, mode, r) for i, r in enumerate(requests)])
 
     assert sorted(done) == list(range(len(requests)))
     for i, r in enumerate(requests):
@@ -103,7 +102,7 @@ def test_stream_rows_equal_each_request_alone_in_order_groups_shared(scorer, req
                 continue
             np.testing.assert_allclose(got.p_pass, ref.p_pass, atol=1e-5)
             np.testing.assert_allclose(got.off_vocab_mass, ref.off_vocab_mass, atol=1e-5)
-            if mode == "score":
+            if mode == "full":
                 assert got.text == ref.text and got.verdict == ref.verdict
     # device batches of at most BATCH rows, fuller than one call per request could make them
     assert max(batches) <= BATCH and len(batches) < sum(-(-len(r) // BATCH) for r in requests)
@@ -123,11 +122,11 @@ def test_spare_member_rows_take_lone_items_and_split_groups(scorer, requests, al
     equal each request scored alone."""
     from rm_jax.serve.stream import ScoreStream
     alone = alone_p_pass
-    stream = ScoreStream(scorer, {"k": "p_pass"}, lambda kind, samples, results: list(results), max_wait_s=0.0,
+    stream = ScoreStream(scorer, lambda kind, samples, results: list(results), max_wait_s=0.0,
                          parts=1)
     seen, spy = _shared_spy(scorer)
     monkeypatch.setattr(scorer, "dispatch_shared", spy)
-    done = _drain(stream, [(i, "k", r) for i, r in enumerate(requests)])
+    done = _drain(stream, [(i, ScoreMode.P_PASS, r) for i, r in enumerate(requests)])
     for i in range(len(requests)):
         answer, err = done[i]
         assert err is None
@@ -147,14 +146,14 @@ def test_batcher_with_stream_answers_concurrent_jobs_and_drains(scorer, requests
     from rm_jax.serve.batcher import Batcher
     from rm_jax.serve.stream import ScoreStream
     alone = [scorer.p_pass(r) for r in requests]
-    stream = ScoreStream(scorer, {"p": "p_pass"}, lambda kind, samples, results: [x.p_pass for x in results],
+    stream = ScoreStream(scorer, lambda kind, samples, results: [x.p_pass for x in results],
                          max_wait_s=0.005)
     never = lambda kind, payloads: (_ for _ in ()).throw(AssertionError("the stream scores these"))
     batcher = Batcher(never, max_batch=BATCH, max_wait_s=0.005, max_queue=1024, stream=stream)
     batcher.start()
 
     async def go():
-        return await asyncio.gather(*(batcher.submit("p", r, len(r)) for r in requests))
+        return await asyncio.gather(*(batcher.submit(ScoreMode.P_PASS, r, len(r)) for r in requests))
     got = asyncio.run(go())
     for answer, ref in zip(got, alone):
         np.testing.assert_allclose(answer, [x.p_pass for x in ref], atol=1e-5)
@@ -168,7 +167,7 @@ def test_batcher_with_stream_answers_concurrent_jobs_and_drains(scorer, requests
 
 
 async def _submit_then_stop(batcher, samples):
-    task = asyncio.ensure_future(batcher.submit("p", samples, len(samples)))
+    task = asyncio.ensure_future(batcher.submit(ScoreMode.P_PASS, samples, len(samples)))
     await asyncio.sleep(0)                  # submitted (admitted to the queue)
     stopper = threading.Thread(target=batcher.stop)
     stopper.start()

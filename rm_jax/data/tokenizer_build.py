@@ -22,7 +22,7 @@ Design choices
   ``<tool_response>`` inside one user turn; ``add_generation_prompt`` opens an assistant turn.
   The template's fixed strings are added to the BPE corpus so they cost few tokens.
 * **Image processor**: Qwen2VLImageProcessor with patch 8 / temporal 2 / merge 2 and the pixel
-  budget from configs.tiny data_config().image. Without torchvision transformers builds the PIL
+  budget from configs.tiny get_config().data.image. Without torchvision transformers builds the PIL
   backend; that is the intended run-time path (no torch at run time).
 """
 
@@ -130,7 +130,7 @@ def write_image_processor(out_dir: str, image_cfg=None) -> None:
     """Qwen2-VL image processor with the tiny model's patching and the policy's pixel budget."""
     import transformers
 
-    image_cfg = image_cfg if image_cfg is not None else tiny.data_config().image
+    image_cfg = image_cfg if image_cfg is not None else tiny.get_config().data.image
     vcfg = tiny.hf_model_config().vision_config
     proc = transformers.Qwen2VLImageProcessor(
         patch_size=int(vcfg.patch_size), temporal_patch_size=int(vcfg.temporal_patch_size),

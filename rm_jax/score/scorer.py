@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import hashlib
 import itertools
 import math
@@ -104,8 +105,16 @@ class JudgeResult:
     error: str | None = None
 
 
+class ScoreMode(enum.StrEnum):
+    """What a scoring call computes: P(pass) alone (one prefill) or the full verdict (decoding).
+    The HTTP API's ``mode`` values; a ``str``, so ``"p_pass"`` and ``ScoreMode.P_PASS`` are equal."""
+    P_PASS = "p_pass"
+    FULL = "full"
+
+
 @dataclasses.dataclass
-class _Item:
+class ScoreItem:
+    """A rendered sample ready for a device batch (``Scorer.render``)."""
     index: int                 # position in the caller's list
     rendered: JudgeInput
     ids: np.ndarray            # prompt + scoring prefix
@@ -113,13 +122,13 @@ class _Item:
 
 
 @dataclasses.dataclass
-class _PrefixGroup:
+class PrefixGroup:
     """Samples whose prompts start with the same tokens and images (one prompt_id): the first
     ``n_shared`` tokens are prefilled once, each member continues with its own suffix."""
-    items: list[_Item]
+    items: list[ScoreItem]
     n_shared: int
 
-    def suffix(self, it: _Item) -> np.ndarray:
+    def suffix(self, it: ScoreItem) -> np.ndarray:
         return it.ids[self.n_shared:]
 
 
@@ -164,7 +173,7 @@ class Scorer:
         # The run's patches-per-frame budget (``train.host_batch.frame_capacity``): one vision shape, and
         # image batches padded to an ImageLadder rung. None: powers of two that fit each batch.
         self.frame_capacity = None if frame_capacity is None else int(frame_capacity)
-        self._ladder = None if frame_capacity is None else loader_lib.ImageLadder.for_frame_capacity(
+        self.ladder = None if frame_capacity is None else loader_lib.ImageLadder.for_frame_capacity(
             self.frame_capacity, model.cfg.vision.spatial_merge_size)
         self.decoder = Decoder(model, self.mesh)
         tok = renderer.tokenizer
@@ -184,6 +193,13 @@ class Scorer:
                                  f"{axes} = {shards} devices")
             self._batch_spec = axes
 
+    @property
+    def batch_shards(self) -> int:
+        """Devices a batch's rows are split over (a batch size must be a multiple of it)."""
+        if self._batch_spec is None or self.mesh is None:
+            return 1
+        return int(np.prod([self.mesh.shape[a] for a in self._batch_spec]))
+
     @classmethod
     def for_run(cls, model, renderer: Renderer, run_cfg, **kwargs) -> "Scorer":
         """A scorer with the training run's field order, length buckets and image frame budget."""
@@ -198,20 +214,7 @@ class Scorer:
 
     def p_pass(self, samples: Sequence[Sample]) -> list[VerdictScore]:
         """P(pass) at the verdict slot for each sample (order kept)."""
-        items, errors = self._render(samples)
-        out: list[VerdictScore | None] = [None] * len(samples)
-        for i, err in errors.items():
-            out[i] = self.error_result("p_pass", samples[i].id, err)
-        groups: list[_PrefixGroup] = []
-        if self.verdict_first and self.share_prefix:
-            groups, items = self._prefix_groups(items)
-        shared = ((part, self._shared_call("p_pass", part, cache, rows_b, tokens_bn, n_b, None))
-                  for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, 0, "p_pass"))
-        whole = ((batch, self._whole_call("p_pass", batch, inputs, None)) for batch, inputs in self._batches(items, "p_pass"))
-        for batch, got in itertools.chain(_in_flight(shared), _in_flight(whole)):
-            for it, row in zip(batch, self.read("p_pass", batch, got)):
-                out[it.index] = row
-        return out  # type: ignore[return-value]
+        return self.run(ScoreMode.P_PASS, samples)
 
     def score(self, samples: Sequence[Sample], *, forced_ids: Sequence[Sequence[int]] | None = None
               ) -> list[JudgeResult]:
@@ -220,28 +223,35 @@ class Scorer:
         ``forced_ids`` (optional, per sample): assistant tokens to teacher-force instead of
         decoding (after the scoring prefix when verdict-first) -- reads the slot and the parse of a
         given output, e.g. a teacher label, through the same decoder."""
+        return self.run(ScoreMode.FULL, samples, forced_ids=forced_ids)
+
+    def run(self, mode: ScoreMode | str, samples: Sequence[Sample], *,
+            forced_ids: Sequence[Sequence[int]] | None = None) -> list:
+        """``p_pass`` or ``score`` by mode: one VerdictScore / JudgeResult per sample, order kept."""
+        mode = ScoreMode(mode)
         items, errors = self._render(samples)
-        out: list[JudgeResult | None] = [None] * len(samples)
+        out: list = [None] * len(samples)
         for i, err in errors.items():
-            out[i] = self.error_result("score", samples[i].id, err)
-        groups: list[_PrefixGroup] = []
+            out[i] = self.error_result(mode, samples[i].id, err)
+        groups: list[PrefixGroup] = []
         if self.verdict_first and self.share_prefix:
             groups, items = self._prefix_groups(items)
-        shared = ((part, self._shared_call("score", part, cache, rows_b, tokens_bn, n_b, forced_ids))
-                  for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, self.max_new_tokens, "score"))
-        whole = ((batch, self._whole_call("score", batch, inputs, forced_ids))
-                 for batch, inputs in self._batches(items, "score"))
-        for batch, gen in itertools.chain(_in_flight(shared), _in_flight(whole)):
-            for it, row in zip(batch, self.read("score", batch, gen)):
+        extra = self.max_new_tokens if mode is ScoreMode.FULL else 0
+        shared = ((part, self._shared_call(mode, part, cache, rows_b, tokens_bn, n_b, forced_ids))
+                  for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, extra, mode))
+        whole = ((batch, self._whole_call(mode, batch, inputs, forced_ids))
+                 for batch, inputs in self._batches(items, mode))
+        for batch, got in itertools.chain(_in_flight(shared), _in_flight(whole)):
+            for it, row in zip(batch, self.read(mode, batch, got)):
                 out[it.index] = row
-        return out  # type: ignore[return-value]
+        return out
 
     # -- device batches, for a caller that schedules them (the server's continuous batching) -----
     # ``render`` -> ``prefix_groups`` -> ``dispatch_shared`` / ``dispatch_whole`` (device results,
     # not fetched) -> ``jax.device_get`` -> ``read``: the same calls ``p_pass`` / ``score`` make, so
     # a row is the same whichever batch it lands in (to float tolerance, as batch composition).
 
-    def prefix_key(self, it: _Item) -> tuple | None:
+    def prefix_key(self, it: ScoreItem) -> tuple | None:
         """What prefix groups are formed by: (prompt_id, the images' digest); None: scored whole."""
         if it.key == "":                   # hashing the pixels is the cost: once per item
             ji = it.rendered
@@ -250,7 +260,7 @@ class Scorer:
                 + np.asarray(ji.image_grid_thw, np.int64).tobytes()).hexdigest())
         return it.key  # type: ignore[return-value]
 
-    def prefix_groups(self, items: list[_Item]) -> tuple[list[_PrefixGroup], list[_Item]]:
+    def prefix_groups(self, items: list[ScoreItem]) -> tuple[list[PrefixGroup], list[ScoreItem]]:
         """Groups that share a prefix prefill, and the items scored whole (``[]`` without sharing)."""
         if not (self.verdict_first and self.share_prefix):
             return [], list(items)
@@ -261,7 +271,7 @@ class Scorer:
         """The padded suffix width of a prefix batch whose longest member suffix is ``longest``."""
         return max(16, 1 << (int(longest) - 1).bit_length())     # few static suffix widths
 
-    def one_group(self, it: _Item, longest_prefix: int) -> _PrefixGroup | None:
+    def one_group(self, it: ScoreItem, longest_prefix: int) -> PrefixGroup | None:
         """``it`` as a one-member prefix group: its prompt up to the last token (at most
         ``longest_prefix`` tokens, every image token in it) is the prefix. A lone item then fills a
         shared step's spare member rows instead of a whole-prompt batch of its own; any split
@@ -270,40 +280,44 @@ class Scorer:
         images = np.flatnonzero(it.ids == self.model.cfg.image_token_id)
         if n < 1 or (len(images) and n <= int(images[-1])):
             return None
-        return _PrefixGroup([it], n)
+        return PrefixGroup(items=[it], n_shared=n)
 
-    def dispatch_whole(self, mode: str, items: list[_Item]):
+    def dispatch_whole(self, mode: ScoreMode | str, items: list[ScoreItem]):
         """One device batch of at most ``batch_size`` whole prompts: (rows, device result)."""
+        mode = ScoreMode(mode)
         if not 0 < len(items) <= self.batch_size:
             raise ValueError(f"a device batch holds 1..{self.batch_size} items, got {len(items)}")
         batch = sorted(items, key=lambda it: len(it.ids))
-        inputs = self._to_device(self._collate([(it.ids, it.rendered) for it in batch]))
+        inputs = self.place(self._collate([(it.ids, it.rendered) for it in batch]))
         return batch, self._whole_call(mode, batch, inputs, None)
 
-    def dispatch_shared(self, mode: str, groups: list[_PrefixGroup]):
+    def dispatch_shared(self, mode: ScoreMode | str, groups: list[PrefixGroup]):
         """One prefill of at most ``batch_size`` prefixes, then their members in device batches:
         [(rows, device result)], every member of a group in this one call."""
+        mode = ScoreMode(mode)
         if not 0 < len(groups) <= self.batch_size:
             raise ValueError(f"a prefix batch holds 1..{self.batch_size} groups, got {len(groups)}")
-        extra = self.max_new_tokens if mode == "score" else 0
+        extra = self.max_new_tokens if mode is ScoreMode.FULL else 0
         return [(part, self._shared_call(mode, part, cache, rows_b, tokens_bn, n_b, None))
                 for part, cache, rows_b, tokens_bn, n_b in self._shared_batches(groups, extra, mode)]
 
-    def error_result(self, mode: str, sample_id: str, error: str):
+    def error_result(self, mode: ScoreMode | str, sample_id: str, error: str):
         """The result of a sample that could not be scored (``render``'s errors)."""
-        if mode == "p_pass":
-            return VerdictScore(sample_id, math.nan, math.nan, math.nan, math.nan, False, error)
-        return JudgeResult(sample_id, math.nan, None, None, (), None, False, "error", math.nan, "", 0,
-                           False, False, -1, error)
+        if ScoreMode(mode) is ScoreMode.P_PASS:
+            return VerdictScore(id=sample_id, p_pass=math.nan, off_vocab_mass=math.nan, logit_pass=math.nan,
+                                logit_fail=math.nan, slot_found=False, error=error)
+        return JudgeResult(id=sample_id, p_pass=math.nan, verdict=None, reason=None, issues=(), img=None,
+                           parse_ok=False, status="error", off_vocab_mass=math.nan, text="", n_new_tokens=0,
+                           finished=False, slot_found=False, slot_index=-1, error=error)
 
-    def _shared_call(self, mode: str, part, cache, rows_b, tokens_bn, n_b, forced_ids):
-        if mode == "p_pass":
+    def _shared_call(self, mode: ScoreMode, part, cache, rows_b, tokens_bn, n_b, forced_ids):
+        if mode is ScoreMode.P_PASS:
             return self.decoder.extend_slot_logits(cache, rows_b, tokens_bn, n_b, self.pass_id, self.fail_id)
         return self.decoder.generate_shared(cache, rows_b, tokens_bn, n_b, self._spec, self._slot_table(),
                                             self._match0(), *self._forced(part, forced_ids), live_b=self._live(part))
 
-    def _whole_call(self, mode: str, batch, inputs, forced_ids):
-        if mode == "p_pass":
+    def _whole_call(self, mode: ScoreMode, batch, inputs, forced_ids):
+        if mode is ScoreMode.P_PASS:
             if self.verdict_first:
                 return self.decoder.slot_logits(inputs, self.pass_id, self.fail_id)
             return self.decoder.generate(inputs, self._spec, self._slot_table(), np.zeros(self.batch_size, np.int32),
@@ -314,9 +328,9 @@ class Scorer:
     def _match0(self) -> np.ndarray:
         return np.full(self.batch_size, self._full_state if self.verdict_first else 0, np.int32)
 
-    def read(self, mode: str, batch: list[_Item], got) -> list:
-        """A fetched device result -> one VerdictScore (``p_pass``) or JudgeResult (``score``) per row."""
-        if mode == "score":
+    def read(self, mode: ScoreMode | str, batch: list[ScoreItem], got) -> list:
+        """A fetched device result -> one VerdictScore (``p_pass``) or JudgeResult (``full``) per row."""
+        if ScoreMode(mode) is ScoreMode.FULL:
             return [self._result(it.rendered.id, got, row) for row, it in enumerate(batch)]
         if isinstance(got, tuple):         # slot logits (verdict-first: whole or after a shared prefix)
             lp, lf, lse = got
@@ -326,19 +340,21 @@ class Scorer:
         out = []
         for row, it in enumerate(batch):
             if not found[row]:
-                out.append(VerdictScore(it.rendered.id, math.nan, math.nan, math.nan, math.nan, False, None))
+                out.append(VerdictScore(id=it.rendered.id, p_pass=math.nan, off_vocab_mass=math.nan,
+                                        logit_pass=math.nan, logit_fail=math.nan, slot_found=False))
                 continue
             p, off = _probabilities(lp[row], lf[row], lse[row])
-            out.append(VerdictScore(it.rendered.id, p, off, float(lp[row]), float(lf[row]), True, None))
+            out.append(VerdictScore(id=it.rendered.id, p_pass=p, off_vocab_mass=off, logit_pass=float(lp[row]),
+                                    logit_fail=float(lf[row]), slot_found=True))
         return out
 
     # -- internals ------------------------------------------------------------------------------
 
-    def render(self, samples: Sequence[Sample]) -> tuple[list[_Item], dict[int, str]]:
+    def render(self, samples: Sequence[Sample]) -> tuple[list[ScoreItem], dict[int, str]]:
         """Rendered items (prompt + scoring prefix) and {index: error} for the ones that failed."""
         return self._render(samples)
 
-    def _render(self, samples: Sequence[Sample]) -> tuple[list[_Item], dict[int, str]]:
+    def _render(self, samples: Sequence[Sample]) -> tuple[list[ScoreItem], dict[int, str]]:
         items, errors = [], {}
         for i, s in enumerate(samples):
             try:
@@ -350,18 +366,18 @@ class Scorer:
             if len(ids) > self.buckets[-1]:
                 errors[i] = f"too_long: {len(ids)} tokens > the largest bucket {self.buckets[-1]}"
                 continue
-            items.append(_Item(i, ji, ids))
+            items.append(ScoreItem(index=i, rendered=ji, ids=ids))
         return items, errors
 
-    def _prefix_groups(self, items: list[_Item]) -> tuple[list[_PrefixGroup], list[_Item]]:
+    def _prefix_groups(self, items: list[ScoreItem]) -> tuple[list[PrefixGroup], list[ScoreItem]]:
         """Groups of >= 2 samples with one prompt_id, identical images and a common token prefix of
         at least ``min_shared_tokens`` that holds every image token; and the items left alone.
 
         The prefix is the longest common *token* prefix of the rendered prompts (not the
         conversation text), so whatever the tokenizer merged across the response boundary, each
         member's ids are exactly its own; one token is always left as suffix (the slot's)."""
-        by_key: dict[tuple, list[_Item]] = {}
-        alone: list[_Item] = []
+        by_key: dict[tuple, list[ScoreItem]] = {}
+        alone: list[ScoreItem] = []
         image_id = self.model.cfg.image_token_id
         for it in items:
             key = self.prefix_key(it)
@@ -380,19 +396,19 @@ class Scorer:
                 last_image = max((int(np.flatnonzero(it.ids == image_id)[-1]) for it in members
                                   if np.any(it.ids == image_id)), default=-1)
                 if n >= self.min_shared_tokens and n > last_image:
-                    groups.append(_PrefixGroup(members, n))
+                    groups.append(PrefixGroup(items=members, n_shared=n))
                     continue
             alone.extend(members)
         return groups, alone
 
-    def _shared_batches(self, groups: list[_PrefixGroup], extra_slots: int, desc: str):
+    def _shared_batches(self, groups: list[PrefixGroup], extra_slots: int, desc: str):
         """Yields (members, prefix cache, rows_b, tokens_bn, n_b): each batch of prefixes is
         prefilled once into a cache with room for the longest suffix (+ ``extra_slots`` for
         decoding), then the members run against their prefix's cache row, batch_size at a time.
         Filler rows repeat row 0 with one suffix token; callers drop them."""
         from tqdm import tqdm
         order = sorted(groups, key=lambda g: g.n_shared)
-        with tqdm(total=sum(len(g.items) for g in groups), desc=f"{desc} (shared prefixes)", unit="sample",
+        with tqdm(total=sum(len(g.items) for g in groups), desc=f"{str(desc)} (shared prefixes)", unit="sample",
                   disable=not self.progress) as bar:
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start:start + self.batch_size]
@@ -401,7 +417,7 @@ class Scorer:
                 # Room for SUFFIX_ROOM suffix tokens at least, so the prefill's shape does not
                 # change with the suffix width below it (one compile per bucket and rung).
                 room = max(width, SUFFIX_ROOM)
-                _, cache = self.decoder.prefill(self._to_device(inputs), inputs.input_ids_bt.shape[1] + room + extra_slots)
+                _, cache = self.decoder.prefill(self.place(inputs), inputs.input_ids_bt.shape[1] + room + extra_slots)
                 rows = [(r, g, it) for r, g in enumerate(chunk) for it in g.items]
                 for r0 in range(0, len(rows), self.batch_size):
                     part = rows[r0:r0 + self.batch_size]
@@ -414,7 +430,7 @@ class Scorer:
                     yield [it for _, _, it in part], cache, rows_b, tokens_bn, n_b
                     bar.update(len(part))
 
-    def _forced(self, batch: list[_Item], forced_ids):
+    def _forced(self, batch: list[ScoreItem], forced_ids):
         """Teacher-forced tokens of a batch as (force_bf, force_len_b), or (None, None)."""
         if forced_ids is None:
             return None, None
@@ -449,7 +465,7 @@ class Scorer:
             img=parsed.img, parse_ok=parsed.status != "failed", status=parsed.status, off_vocab_mass=off,
             text=text, n_new_tokens=n, finished=finished, slot_found=found, slot_index=int(gen.slot_step_b[row]))
 
-    def _live(self, batch: list[_Item]) -> np.ndarray:
+    def _live(self, batch: list[ScoreItem]) -> np.ndarray:
         return np.arange(self.batch_size) < len(batch)
 
     def _slot_table(self):
@@ -463,14 +479,14 @@ class Scorer:
             self._table = jax.numpy.asarray(table)
         return self._table
 
-    def _batches(self, items: list[_Item], desc: str):
+    def _batches(self, items: list[ScoreItem], desc: str):
         """Sorted by length, padded like the loader; yields (items of the batch, device JudgeInputs)."""
         from tqdm import tqdm
         order = sorted(items, key=lambda it: len(it.ids))
         with tqdm(total=len(items), desc=desc, unit="sample", disable=not self.progress) as bar:
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start:start + self.batch_size]
-                yield chunk, self._to_device(self._collate([(it.ids, it.rendered) for it in chunk]))
+                yield chunk, self.place(self._collate([(it.ids, it.rendered) for it in chunk]))
                 bar.update(len(chunk))
 
     def _collate(self, prompts: list[tuple[np.ndarray, JudgeInput]]) -> JudgeInputs:
@@ -478,7 +494,7 @@ class Scorer:
         training loader pads (``loader.Collate``); filler rows hold one pad token, never empty."""
         cfg = self.model.cfg
         collate = loader_lib.Collate(self.batch_size, self.buckets, self.pad_id, cfg.vision.patch_dim,
-                                     ladder=self._ladder)
+                                     ladder=self.ladder)
         b = collate([{"input_ids": ids, "target_mask": np.zeros(len(ids), np.uint8), "verdict_pos": -1,
                       "label": -1, "route_tool_call": 0, "has_image": int(ji.has_image),
                       "pixel_values": ji.pixel_values, "image_grid_thw": ji.image_grid_thw}
@@ -487,6 +503,10 @@ class Scorer:
         mask[len(prompts):, 0] = 1
         return prepare_inputs(cfg, b["input_ids"], mask, b["pixel_values"], b["image_grid_thw"],
                               attention="lengths", frame_capacity=self.frame_capacity)
+
+    def place(self, inputs: JudgeInputs) -> JudgeInputs:
+        """A host batch on the scorer's devices (rows over the mesh's batch axes)."""
+        return self._to_device(inputs)
 
     def _to_device(self, inputs: JudgeInputs) -> JudgeInputs:
         if self.mesh is None:

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rm_jax.score.scorer import ScoreMode
+
 
 class Health(BaseModel):
     status: str
@@ -23,7 +25,7 @@ class Health(BaseModel):
 class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     samples: list[dict[str, Any]]
-    mode: Literal["full", "p_pass"] = "full"
+    mode: ScoreMode = ScoreMode.FULL
 
 
 class ScoreResponse(BaseModel):

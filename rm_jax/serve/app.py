@@ -31,7 +31,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rm_jax.serve import api
 from rm_jax.serve.batcher import Batcher, JobTooLarge, QueueFull, ShuttingDown
-from rm_jax.serve.engine import KIND_CHAT, KIND_FULL, KIND_P_PASS, ChatInputError
+from rm_jax.score.scorer import ScoreMode
+from rm_jax.serve.engine import KIND_CHAT, ChatInputError, kind_label
 from rm_jax.serve.inputs import BadSample, parse_request_sample
 from rm_jax.serve.metrics import ServerMetrics
 from rm_jax.serve.rollout import RolloutParser
@@ -181,7 +182,7 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
     metrics = ServerMetrics.create()
     # Scoring is batched continuously (rm_jax.serve.stream): device batches of max_batch samples
     # formed across requests; chat coalesces requests per call.
-    observe = lambda kind, n: metrics.batch_size.labels(kind).observe(n)
+    observe = lambda kind, n: metrics.batch_size.labels(kind_label(kind)).observe(n)
     batcher = Batcher(engine.run_batch, max_batch=settings.max_batch, max_wait_s=settings.max_wait_ms / 1000.0,
                       max_queue=settings.max_queue, batch_limits={KIND_CHAT: min(settings.max_batch, 8)},
                       stream=engine.score_stream(max_wait_s=settings.max_wait_ms / 1000.0, on_batch=observe),
@@ -257,25 +258,24 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
             usage=api.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=n_out,
                             total_tokens=out.prompt_tokens + n_out))
 
-    async def score_samples(objs: list, mode: str) -> list[dict]:
+    async def score_samples(objs: list, mode: ScoreMode) -> list[dict]:
         parsed = [parse_request_sample(o, i, settings.image_root) for i, o in enumerate(objs)]
         good = [s for s in parsed if not isinstance(s, BadSample)]
-        kind = KIND_FULL if mode == "full" else KIND_P_PASS
-        rows = iter(await submit(kind, good, len(good)) if good else [])
+        rows = iter(await submit(mode, good, len(good)) if good else [])
         out = [p.row() if isinstance(p, BadSample) else next(rows) for p in parsed]
         for row in out:
-            metrics.samples.labels(kind, "error" if "error" in row else "ok").inc()
+            metrics.samples.labels(kind_label(mode), "error" if "error" in row else "ok").inc()
         return out
 
     @app.post("/v1/score", response_model=api.ScoreResponse)
     async def score(req: api.ScoreRequest):
-        return api.ScoreResponse(results=await score_samples(req.samples, req.mode))
+        return api.ScoreResponse(results=await score_samples(req.samples, ScoreMode(req.mode)))
 
     rollouts = RolloutParser(engine.assistant_start, engine.call_format, keep_think=settings.keep_think)
     gate = float(engine.reward.penalties.gate_reward)
 
     async def rewards_of(objs: list, pre_errors: dict[int, str]) -> list[RewardRow]:
-        rows = await score_samples([o if o is not None else {} for o in objs], "full")
+        rows = await score_samples([o if o is not None else {} for o in objs], ScoreMode.FULL)
         return [RewardRow.of(row, pre_errors.get(i), gate) for i, row in enumerate(rows)]
 
     @app.post("/get_reward", response_model=None)

@@ -26,10 +26,17 @@ from rm_jax.data.schema import Sample, SampleError
 from rm_jax.model.decode import TextGeneration, TextSpec
 from rm_jax.model.registry import prepare_inputs
 from rm_jax.score.reward import RewardSettings
+from rm_jax.score.scorer import Scorer, ScoreMode
+from rm_jax.serve.stream import ScoreStream
 from rm_jax.serve.rollout import assistant_turn_start
 from rm_jax.serve.toolcalls import CallFormat, format_of_template
 
-KIND_FULL, KIND_P_PASS, KIND_CHAT = "score_full", "score_p_pass", "chat"
+KIND_CHAT = "chat"          # the batcher's kinds: the ScoreModes, and chat
+
+
+def kind_label(kind) -> str:
+    """A batch kind's metrics label: score_full, score_p_pass, chat."""
+    return f"score_{kind.value}" if isinstance(kind, ScoreMode) else str(kind)
 CHAT_BATCH = 8              # chat rows per device call (its own compile per bucket and budget)
 CHAT_MAX_TOKENS = 1024      # the largest completion budget (a request's max_tokens is clamped)
 CHAT_DEFAULT_TOKENS = 256   # when a request gives none
@@ -69,7 +76,6 @@ class Engine:
     def __init__(self, *, model, renderer, run_cfg, step: int, workdir: str, max_batch: int, max_new_tokens: int,
                  reward: RewardSettings, call_format: CallFormat | None = None):
         from rm_jax.model.decode import Decoder
-        from rm_jax.score.scorer import Scorer
         self.model, self.renderer, self.run_cfg, self.step = model, renderer, run_cfg, int(step)
         self.workdir = os.path.abspath(workdir)
         self.reward = reward
@@ -114,7 +120,7 @@ class Engine:
     # -- the worker's entry point ---------------------------------------------------------------
 
     def run_batch(self, kind: str, payloads: Sequence) -> list:
-        if kind in (KIND_FULL, KIND_P_PASS):
+        if isinstance(kind, ScoreMode):
             return self._score(kind, payloads)
         if kind == KIND_CHAT:
             return self._chat(payloads)
@@ -123,20 +129,19 @@ class Engine:
     def score_stream(self, *, max_wait_s: float, on_batch=None):
         """Continuous batching of the scoring kinds over this engine's scorer (the worker's
         usual path; ``run_batch`` stays for retrying a job alone)."""
-        from rm_jax.serve.stream import ScoreStream
-        return ScoreStream(self.scorer, {KIND_FULL: "score", KIND_P_PASS: "p_pass"}, self.rows,
+        return ScoreStream(self.scorer, self.rows,
                            max_wait_s=max_wait_s, on_batch=on_batch)
 
-    def rows(self, kind: str, samples: Sequence[Sample], results: Sequence) -> list[dict]:
+    def rows(self, mode: ScoreMode, samples: Sequence[Sample], results: Sequence) -> list[dict]:
         """Scorer results -> the ``launch.score`` rows of a request."""
         from rm_jax.score.run import p_pass_row, result_row
-        row = result_row if kind == KIND_FULL else p_pass_row
+        row = result_row if mode is ScoreMode.FULL else p_pass_row
         return [row(s, r, self.reward) for s, r in zip(samples, results)]
 
-    def _score(self, kind: str, payloads: Sequence[Sequence[Sample]]) -> list[list[dict]]:
+    def _score(self, mode: ScoreMode, payloads: Sequence[Sequence[Sample]]) -> list[list[dict]]:
         """Every request's samples in one scorer call (GRPO groups across requests share prefixes)."""
         flat = [s for samples in payloads for s in samples]
-        rows = self.rows(kind, flat, self.scorer.score(flat) if kind == KIND_FULL else self.scorer.p_pass(flat))
+        rows = self.rows(mode, flat, self.scorer.run(mode, flat))
         out, k = [], 0
         for samples in payloads:
             out.append(rows[k:k + len(samples)])
@@ -202,12 +207,12 @@ class Engine:
         out: list[ChatOutput] = []
         for start in range(0, len(prompts), CHAT_BATCH):
             chunk = list(prompts[start:start + CHAT_BATCH])
-            shards = self._batch_shards()
+            shards = self.scorer.batch_shards
             b = -(-_pow2_at_least(len(chunk), 1) // shards) * shards   # the batch axes must divide it
             longest = max(p.max_tokens for p in chunk)
             # Longest prompt + budget must fit the model; the budget bucket is a power of two >= 16.
             n = min(_pow2_at_least(longest, 16), CHAT_MAX_TOKENS)
-            inputs = self.scorer._to_device(self._collate(chunk, b))
+            inputs = self.scorer.place(self._collate(chunk, b))
             temp_b = np.zeros(b, np.float32)
             budget_b = np.zeros(b, np.int32)
             for k, p in enumerate(chunk):
@@ -220,11 +225,6 @@ class Engine:
             for k, p in enumerate(chunk):
                 out.append(self._chat_output(gen, k, p))
         return out
-
-    def _batch_shards(self) -> int:
-        if self.scorer._batch_spec is None or self.scorer.mesh is None:
-            return 1
-        return int(np.prod([self.scorer.mesh.shape[a] for a in self.scorer._batch_spec]))
 
     def _chat_output(self, gen: TextGeneration, row: int, p: ChatPrompt) -> ChatOutput:
         n = int(gen.n_tokens_b[row])

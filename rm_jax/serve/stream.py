@@ -1,7 +1,7 @@
 """Continuous batching for scoring: device batches formed across requests from rendered items.
 
 A request's samples are rendered into items (``Scorer.render``) when the worker admits them; the
-items of every admitted request wait in one pool per mode (``score`` / ``p_pass``). Each device
+items of every admitted request wait in one pool per ``ScoreMode`` (``full`` / ``p_pass``). Each device
 step serves the oldest waiting unit -- a GRPO group (one ``prompt_id``, same images, a shared
 prompt prefix) as a whole, or one item -- plus the units that pack best with it:
 
@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from rm_jax.data import loader as loader_lib
+from rm_jax.score.scorer import Scorer, ScoreItem, ScoreMode
 
 
 Done = tuple[Any, Any, "BaseException | None"]   # (token, answer, error): a request finished
@@ -52,7 +53,7 @@ class StepFailed(Exception):
 @dataclasses.dataclass
 class _Request:
     token: Any                 # the caller's handle (the batcher's Job)
-    kind: str
+    kind: ScoreMode
     samples: Sequence
     results: list              # per sample: scorer result, None until read
     left: int                  # items not read yet
@@ -63,30 +64,30 @@ class _Request:
 @dataclasses.dataclass
 class _Entry:
     req: _Request
-    item: Any                  # scorer._Item; item.index is the sample's place in its request
+    item: ScoreItem            # item.index is the sample's place in its request
 
 
 @dataclasses.dataclass
 class _Step:
-    kind: str
-    parts: list                # [(rows, device result)] -- rows: _Items; entries below line up
+    kind: ScoreMode
+    parts: list                # [(rows, device result)] -- rows: ScoreItems; entries below line up
     entries: list[list[_Entry]]
 
 
-Rows = Callable[[str, Sequence, list], Any]    # (kind, samples, scorer results) -> the request's answer
+Rows = Callable[[ScoreMode, Sequence, list], Any]    # (mode, samples, scorer results) -> the request's answer
 
 
 class ScoreStream:
-    """``modes``: {request kind: scorer mode ("score" | "p_pass")}; ``rows`` turns a finished
-    request's scorer results into its answer; ``on_batch(kind, rows)`` sees every device batch."""
+    """A request's kind is its ``ScoreMode``; ``rows`` turns a finished request's scorer results
+    into its answer; ``on_batch(kind, rows)`` sees every device batch."""
 
-    def __init__(self, scorer, modes: dict[str, str], rows: Rows, *, max_wait_s: float, depth: int = 2,
+    def __init__(self, scorer: Scorer, rows: Rows, *, max_wait_s: float, depth: int = 2,
                  parts: int = 4, on_batch: Callable[[str, int], None] | None = None):
-        self.scorer, self.modes, self.rows = scorer, dict(modes), rows
+        self.scorer, self.rows = scorer, rows
         self.max_wait_s, self.depth, self.parts = float(max_wait_s), int(depth), int(parts)
         self.batch_size = scorer.batch_size
         self.on_batch = on_batch
-        self._pools: dict[str, list[_Entry]] = {kind: [] for kind in self.modes}
+        self._pools: dict[ScoreMode, list[_Entry]] = {mode: [] for mode in ScoreMode}
         self._inflight: collections.deque = collections.deque()   # (_Step, part index)
         self._requests: dict[int, _Request] = {}                    # id(token) -> its request, until done
 
@@ -101,13 +102,13 @@ class ScoreStream:
         return sum(len(p) for p in self._pools.values())
 
     @property
-    def kinds(self):
-        return self.modes.keys()
+    def kinds(self) -> tuple[ScoreMode, ...]:
+        return tuple(ScoreMode)
 
-    def admit(self, token, kind: str, samples: Sequence, since: float) -> list[Done]:
+    def admit(self, token, kind: ScoreMode, samples: Sequence, since: float) -> list[Done]:
         """Render a request's samples into the pool; returns its answer if it is already
         complete (no sample could be rendered)."""
-        mode = self.modes[kind]
+        mode = kind = ScoreMode(kind)
         items, errors = self.scorer.render(samples)
         req = _Request(token, kind, samples, [None] * len(samples), len(items), since)
         for i, err in errors.items():
@@ -154,7 +155,7 @@ class ScoreStream:
         if not self.ready(now, flush):
             return False
         kind = min((k for k, p in self._pools.items() if p), key=lambda k: self._pools[k][0].req.since)
-        mode, pool = self.modes[kind], self._pools[kind]
+        mode, pool = kind, self._pools[kind]
         by_item = {id(e.item): e for e in pool}
         groups, alone = self.scorer.prefix_groups([e.item for e in pool])
         oldest = pool[0].item
@@ -179,7 +180,7 @@ class ScoreStream:
                 self.on_batch(kind, len(parts[k][0]))
         return True
 
-    def _remove(self, kind: str, taken: list[_Entry]) -> None:
+    def _remove(self, kind: ScoreMode, taken: list[_Entry]) -> None:
         gone = {id(e) for e in taken}
         self._pools[kind] = [e for e in self._pools[kind] if id(e) not in gone]
 
@@ -205,7 +206,7 @@ class ScoreStream:
             return chosen
         prefix = loader_lib.pick_bucket(max(g.n_shared for g in chosen), self.scorer.buckets)
         width = self.scorer.suffix_width(max(len(g.suffix(it)) for g in chosen for it in g.items))
-        images = _Images(self.scorer._ladder, chosen)
+        images = _Images(self.scorer.ladder, chosen)
         fillers = [self.scorer.one_group(it, prefix) for it in alone]
         fillers += [dataclasses.replace(g, items=[it for it in g.items if len(g.suffix(it)) <= width])
                     for g in rest if g.n_shared <= prefix]
@@ -232,7 +233,7 @@ class ScoreStream:
         at = next(k for k, it in enumerate(order) if it is first)
         patches = np.cumsum([0] + [_patches(it) for it in order])
         images = np.cumsum([0] + [len(it.rendered.image_grid_thw) for it in order])
-        ladder = self.scorer._ladder
+        ladder = self.scorer.ladder
         best, best_cost = None, None
         for lo in range(max(0, at - B + 1), min(at, len(order) - B) + 1):
             hi = lo + B
@@ -253,7 +254,7 @@ class ScoreStream:
         entries = step.entries[k]
         try:
             got = jax.device_get(result)
-            read = self.scorer.read(self.modes[step.kind], rows, got)
+            read = self.scorer.read(step.kind, rows, got)
         except Exception as e:   # noqa: BLE001
             raise StepFailed(_tokens(entries), e) from e
         done = []
