@@ -57,12 +57,6 @@ class PairSplit:
         cuts = np.flatnonzero(np.diff(self.group[order])) + 1
         return np.split(order, cuts) if len(order) else []
 
-    def group_pairs(self) -> list[np.ndarray]:
-        out = [[] for _ in self.groups]
-        for k, g in enumerate(self.pair_group):
-            out[g].append(k)
-        return [np.asarray(x, np.int64) for x in out]
-
 
 def load_split(data_dir: str, split: str) -> PairSplit:
     """A whole split from its group records, as flat arrays (evaluation: small splits)."""
