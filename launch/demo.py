@@ -24,6 +24,8 @@ from absl import app, flags
 
 from launch.common import DEFAULT_CONFIG, REPO_ROOT
 
+ROBUSTNESS_SAMPLES = 100   # failing held-out samples the sweep attacks per checkpoint
+
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "where everything is written")
 _N = flags.DEFINE_integer("n", 10000, "synthetic samples")
 # Real teacher data fails ~8% of the time; a 10-minute CPU run needs more failures to learn from.
@@ -101,7 +103,9 @@ def main(argv):
         print(f"=== removing the previous demo training run {run}", flush=True)
         shutil.rmtree(run)
     _run("train", train_args, timings)
-    _run("sweep", [f"--workdir={run}", f"--data={shards}", f"--max_samples={_SWEEP_MAX.value}"], timings)
+    # The robustness column (attacks on failing held-out samples, per step); the gate stays off.
+    _run("sweep", [f"--workdir={run}", f"--data={shards}", f"--max_samples={_SWEEP_MAX.value}",
+                   f"--robustness_samples={ROBUSTNESS_SAMPLES}"], timings)
     score_in = os.path.join(data, "score_input.jsonl")   # beside samples.jsonl: image paths stay valid
     with open(f"{data}/samples.jsonl") as src, open(score_in, "w") as dst:
         for i, line in enumerate(src):

@@ -74,6 +74,8 @@ class DataSection:
     buckets: tuple = _field((128, 192, 256, 320), "padded lengths: static shapes, few compiles")
     field_order: tuple = _field(("l3", "reason", "issues", "img"), "verdict JSON field order; verdict first")
     oversample_fail: int = _field(3, "failures repeated this many times, training split only")
+    adversarial_rate: float = _field(0.0, "share of training samples that also get an attack variant labelled "
+                                          "fail (rm_jax.data.attacks; held-out never); 0 = off")
     group_by_prompt: bool = _field(False, "shuffle prompts, keeping a prompt's responses in one batch")
     heldout_fraction: float = _field(0.15, "share of prompt_ids held out")
     calibration_fraction: float = _field(0.15, "share of prompt_ids kept for calibration (scalar RM pairs)")

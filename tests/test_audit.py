@@ -166,3 +166,46 @@ def test_audit_file_writes_every_transform(judge_run, synth_dir, tmp_path, sampl
     for r in rec["transforms"]:
         assert r["n"] + r["n_unscored"] + r["n_not_applicable"] == len(target_samples(r["kind"], samples[:n]))
     assert all(v is not None and v <= 1e-5 for k, v in rec["invariance_max_abs_delta"].items() if k != "key_order")
+
+
+def test_adversarial_input_augments_the_training_split_only(synth_dir, tiny_cfg, renderer, tmp_path):
+    """data.adversarial_rate: each drawn variant follows its training source line, labelled fail
+    with its issue; held-out prompts get none; the originals are copied byte for byte; the build
+    keeps every valid variant in the training split."""
+    from rm_jax.data import build as build_lib
+    from rm_jax.data import records
+    from rm_jax.data.schema import read_samples
+    src = os.path.join(synth_dir, "samples.jsonl")
+    opts = build_lib.BuildOptions.from_config(tiny_cfg.data)
+    in_train = lambda pid: build_lib.split_of(pid, opts.heldout_fraction, opts.split_seed) == "train"
+    out = os.path.join(synth_dir, f"adversarial_{tmp_path.name}.jsonl")   # beside the images
+    path, summary = attacks.write_adversarial_input(src, 0.3, 0, in_train, out_path=out)
+    originals = [line for line in open(src, encoding="utf-8") if line.strip()]
+    lines = [line for line in open(path, encoding="utf-8") if line.strip()]
+    assert [line for line in lines if "~adv-" not in json.loads(line)["id"]] == originals
+    assert len(lines) == len(originals) + summary["added"] and summary["added"] > 0
+    assert sum(summary["by_issue"].values()) == summary["added"]
+    by_id = {}
+    prev = None
+    for line in lines:
+        row = json.loads(line)
+        if "~adv-" in row["id"]:
+            assert prev is not None and row["id"].startswith(prev["id"] + "~adv-") and in_train(row["prompt_id"])
+            assert row["label"]["l3"] == "fail" and row["label"]["issues"][0] in summary["by_issue"]
+            assert row["messages"] == prev["messages"]
+        prev = row
+        by_id[row["id"]] = row
+    # the written variants parse back to what adversarial_variant made (images resolve beside the input)
+    parsed = [s for s in read_samples(src) if isinstance(s, Sample)]
+    pools = attacks.ValuePools.collect([s for s in parsed if in_train(s.prompt_id)])
+    for s in parsed:
+        v = attacks.adversarial_variant(s, 0.3, 0, pools) if in_train(s.prompt_id) else None
+        assert (v is not None) == (v is not None and v.id in by_id)
+    result = build_lib.build(path, str(tmp_path / "shards"), renderer, opts, tokenizer_dir=os.path.join(
+        synth_dir, "tokenizer"), progress=False)
+    rejects = [json.loads(x) for x in open(tmp_path / "shards" / "rejects.jsonl")]
+    assert all("~adv-" in r["id"] and r["reason"] == "too_long" for r in rejects)   # padding past max_len
+    train = records.load_index(str(tmp_path / "shards"), "train")
+    assert len(train["label"]) == sum(in_train(json.loads(x)["prompt_id"]) for x in lines) - len(rejects)
+    heldout = records.load_index(str(tmp_path / "shards"), "heldout")
+    assert len(heldout["label"]) == sum(not in_train(json.loads(x)["prompt_id"]) for x in originals)
