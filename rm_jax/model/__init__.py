@@ -5,24 +5,14 @@ implements ``interface.JudgeModel``. ``ModelConfig``/``TextConfig`` are Qwen3-VL
 """
 
 from rm_jax.model.config import ConfigError, RuntimeOptions
-from rm_jax.model.interface import JudgeInputs, JudgeModel, JudgeOutput
+from rm_jax.model.convert import load_hf, save_hf
+from rm_jax.model.interface import JudgeModel
 from rm_jax.model.layer_stack import LayerGroup, LayerSpec
 from rm_jax.model.qwen3_vl_moe.config import ModelConfig, TextConfig
 from rm_jax.model.qwen3_vl_moe.model import Qwen3VLMoeJudge
+from rm_jax.model.records import JudgeInputs, JudgeOutput
 from rm_jax.model.registry import abstract_model, config_from_hf_dict, init_model, prepare_inputs
 from rm_jax.model.vision_config import VisionConfig
-
-
-def load_hf(hf_dir, dtype="float32", mesh=None, **kwargs):
-    """Load a transformers checkpoint (safetensors) -> (model, config)."""
-    from rm_jax.model.convert import load_hf as _load_hf
-    return _load_hf(hf_dir, dtype=dtype, mesh=mesh, **kwargs)
-
-
-def save_hf(model, out_dir, **kwargs):
-    """Write ``model`` as a transformers checkpoint (safetensors + config.json)."""
-    from rm_jax.model.convert import save_hf as _save_hf
-    return _save_hf(model, out_dir, **kwargs)
 
 
 __all__ = ["ConfigError", "ModelConfig", "RuntimeOptions", "TextConfig", "VisionConfig", "JudgeInputs",

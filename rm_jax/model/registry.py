@@ -7,7 +7,9 @@ Design choices:
   ``config_from_hf_dict``, so a checkpoint of an architecture rm_jax does not implement is refused
   by name, with the known list, instead of being parsed as the wrong one field by field.
 * **An architecture is a record** (``Architecture``): adding one is a package
-  (``rm_jax/model/<arch>/``: config, model, params) plus one ``register`` call here.
+  (``rm_jax/model/<arch>/``: config, model, params with its ``CheckpointFormat``) plus one
+  ``register`` call here. Loading and saving checkpoints sits one floor up
+  (``rm_jax.model.convert``), so nothing an architecture imports reaches back here.
 * ``init_model`` / ``abstract_model`` / ``prepare_inputs`` dispatch on the typed config's
   ``model_type``, so callers never name a model class.
 """
@@ -21,7 +23,14 @@ from flax import nnx
 
 from rm_jax.model import inputs as inputs_lib
 from rm_jax.model.config import ConfigError, RuntimeOptions, plain_dict
+from rm_jax.model.hf_checkpoint import CheckpointFormat
 from rm_jax.model.interface import JudgeModel
+from rm_jax.model.qwen3_5_moe import config as q35_config
+from rm_jax.model.qwen3_5_moe import model as q35_model
+from rm_jax.model.qwen3_5_moe import params as q35_params
+from rm_jax.model.qwen3_vl_moe import config as vl_config
+from rm_jax.model.qwen3_vl_moe import model as vl_model
+from rm_jax.model.qwen3_vl_moe import params as vl_params
 
 
 class UnknownModelType(ConfigError):
@@ -33,14 +42,8 @@ class Architecture:
     model_type: str                                         # config.json's top-level model_type
     config_from_hf: Callable[[Mapping, RuntimeOptions | None], Any]
     model_class: type                                       # implements interface.JudgeModel
-    key_table: Callable[[Any], dict]                        # cfg -> {hf key: (Rule, targets)}
-    embed_key: str                                          # HF key of the input embedding
-    head_key: str = "lm_head.weight"
+    checkpoint: CheckpointFormat                            # its HF key table and checkpoint hooks
     prepare_inputs: Callable = inputs_lib.prepare_inputs    # (cfg, input_ids, mask, pixels, grid, **kw)
-    # An architecture whose checkpoints need more than the key table (e.g. per-expert tensors
-    # gathered into a fused one) supplies its own; None: convert.load_hf / save_hf with key_table.
-    load_hf: Callable | None = None
-    save_hf: Callable | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {}
@@ -95,22 +98,13 @@ def prepare_inputs(cfg, input_ids, attention_mask=None, pixel_values=None, image
 
 
 def _register_builtin() -> None:
-    from rm_jax.model.qwen3_vl_moe import config as vl_config
-    from rm_jax.model.qwen3_vl_moe import model as vl_model
-    from rm_jax.model.qwen3_vl_moe import params as vl_params
     register(Architecture(model_type=vl_config.MODEL_TYPE, config_from_hf=vl_config.ModelConfig.from_hf_dict,
-                          model_class=vl_model.Qwen3VLMoeJudge, key_table=vl_params.key_table,
-                          embed_key=vl_params.EMBED_KEY, head_key=vl_params.HEAD_KEY))
-    from rm_jax.model.qwen3_5_moe import config as q35_config
-    from rm_jax.model.qwen3_5_moe import model as q35_model
-    from rm_jax.model.qwen3_5_moe import params as q35_params
-    # Multimodal and text-only (ForCausalLM) checkpoints: one config record, one model class; its
-    # own load/save handle both expert layouts and the text-only key prefix.
+                          model_class=vl_model.Qwen3VLMoeJudge, checkpoint=vl_params.CHECKPOINT))
+    # Multimodal and text-only (ForCausalLM) checkpoints: one config record, one model class, one
+    # checkpoint format (the text-only key prefix comes from the config).
     for model_type in q35_config.MODEL_TYPES:
         register(Architecture(model_type=model_type, config_from_hf=q35_config.Qwen35MoeConfig.from_hf_dict,
-                              model_class=q35_model.Qwen35MoeJudge, key_table=q35_params.expand_rules,
-                              embed_key=q35_params.EMBED_KEY, load_hf=q35_params.load_hf,
-                              save_hf=q35_params.save_hf))
+                              model_class=q35_model.Qwen35MoeJudge, checkpoint=q35_params.CHECKPOINT))
 
 
 _register_builtin()

@@ -8,7 +8,7 @@ Design choices:
 * **Only safetensors are read.** Pickle ``.bin``/``.pt`` checkpoints execute code on load; they
   are refused by name.
 * Nothing here knows a parameter name: the key tables are per architecture
-  (``rm_jax.model.<arch>.params``) and the engine that applies them is ``rm_jax.model.convert``.
+  (``rm_jax.model.<arch>.params``) and the engine that applies them is ``rm_jax.model.hf_checkpoint``.
 """
 
 from __future__ import annotations
