@@ -11,7 +11,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -20,7 +19,6 @@ from scipy import stats
 from rm_jax.data import attacks
 from rm_jax.data.schema import Sample, read_samples
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_fixtures import make_judge_workdir  # noqa: E402
 
 
