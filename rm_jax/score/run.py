@@ -75,8 +75,12 @@ def score_file(workdir: str, input_path: str, out_path: str, *, step: int | None
             else:
                 n_scored += 1
             f.write(json.dumps(row, ensure_ascii=False, default=float) + "\n")
-    return {"scored": n_scored, "errors": n_err, "step": used_step, "out": out_path,
-            "calibration": calibration.to_json()}
+    summary = {"scored": n_scored, "errors": n_err, "step": used_step, "out": out_path,
+               "calibration": calibration.to_json()}
+    # Which samples, judge and calibration produced OUT (launch.select reads the input from it).
+    with open(out_path + ".meta.json", "w") as f:
+        json.dump({"input": os.path.abspath(input_path), "workdir": os.path.abspath(workdir), **summary}, f, indent=2)
+    return summary
 
 
 def result_row(sample, r, reward: RewardSettings = RewardSettings(), calibration: Calibration = IDENTITY) -> dict:
