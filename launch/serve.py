@@ -5,6 +5,7 @@
 
 Endpoints (docs/contracts.md): GET /healthz, POST /v1/score, POST /get_reward, POST /v1/chat/completions,
 GET /v1/models, GET /metrics. Without --step the sweep's chosen step is used (else the latest).
+--calibration=prior|temperature maps P(pass) before the reward reads it (default none: unchanged).
 It binds loopback by default; any other --host needs --api_key_file (clients then send
 "Authorization: Bearer <key>"). SIGTERM stops accepting connections, answers the requests in
 flight, then exits.
@@ -37,6 +38,9 @@ _CALL_FORMAT = flags.DEFINE_enum("tool_call_format", "template", ["template", "a
                                   "per response), detected per response, Hermes JSON, or Qwen3.5/Qwen3-Coder XML")
 _KEEP_THINK = flags.DEFINE_bool("keep_think", False, "judge a rollout's <think>...</think> text as part of its "
                                 "content (default: reasoning is not judged)")
+_CALIBRATION = flags.DEFINE_enum("calibration", "none", ["none", "prior", "temperature"],
+                                 "P(pass) calibration: none (the field report's reward), prior (undo the training "
+                                 "stream's failure oversampling), temperature (fitted by launch.sweep)")
 _REWARD = define_reward_flags()
 
 
@@ -73,11 +77,13 @@ def main(argv):
     import uvicorn
 
     from rm_jax.serve.app import ServeSettings, create_app
+    from rm_jax.eval.calibration import load_calibration
     from rm_jax.serve.engine import Engine
     from rm_jax.serve.toolcalls import CallFormat
 
     engine = Engine.load(_WORKDIR.value, _STEP.value, max_batch=_MAX_BATCH.value, max_new_tokens=_MAX_NEW.value,
                          tokenizer=_TOKENIZER.value, reward=_REWARD(),
+                         calibration=load_calibration(_WORKDIR.value, _CALIBRATION.value),
                          call_format=None if _CALL_FORMAT.value == "template" else CallFormat(_CALL_FORMAT.value))
     settings = ServeSettings(max_batch=_MAX_BATCH.value, max_wait_ms=_MAX_WAIT.value, max_queue=_MAX_QUEUE.value,
                              image_root=_IMAGE_ROOT.value, api_key=api_key, max_body_bytes=_MAX_BODY.value << 20,

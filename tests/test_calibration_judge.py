@@ -128,3 +128,20 @@ def test_sweep_with_gate_and_calibration(tiny_cfg, built_shards, renderer, tmp_p
     frozen = json.load(open(os.path.join(workdir, "calibration.json")))
     assert frozen["step"] == out["chosen"]["step"] and frozen["temperature"] == out["calibration"]["applied"]["temperature"]
     assert os.path.isfile(out["plots"]["calibration"])
+
+
+def test_server_engine_rows_use_the_calibration(tiny_cfg, built_shards, renderer, synth_dir, tmp_path):
+    """launch.serve --calibration: the engine's rows (/v1/score, /get_reward) carry the calibrated
+    P(pass) into the reward, as launch.score's do."""
+    from rm_jax.data.schema import Sample, read_samples
+    from rm_jax.score.run import p_pass_row
+    from rm_jax.score.scorer import ScoreMode, VerdictScore
+    from rm_jax.serve.engine import Engine
+    workdir = make_judge_workdir(tmp_path, tiny_cfg, built_shards[0], renderer)
+    c = cal.load_calibration(workdir, "prior")
+    assert c.shift == pytest.approx(cal.prior_shift(cal.run_label_shares(workdir)))
+    engine = Engine.load(workdir, max_batch=8, calibration=c)
+    sample = next(s for s in read_samples(os.path.join(synth_dir, "samples.jsonl")) if isinstance(s, Sample))
+    v = VerdictScore(sample.id, 0.25, 0.0, 0.0, float(-_logit(0.25)))
+    row = engine.rows(ScoreMode.P_PASS, [sample], [v])[0]
+    assert row == p_pass_row(sample, v, engine.reward, c) and row["p_pass"] == pytest.approx(c.p_pass(0.25))

@@ -25,6 +25,7 @@ from rm_jax.data import target as target_lib
 from rm_jax.data.schema import Sample, SampleError
 from rm_jax.model.decode import TextGeneration, TextSpec
 from rm_jax.model.registry import prepare_inputs
+from rm_jax.eval.calibration import IDENTITY, Calibration
 from rm_jax.score.reward import RewardSettings
 from rm_jax.score.scorer import Scorer, ScoreMode
 from rm_jax.serve.stream import ScoreStream
@@ -74,11 +75,13 @@ def _pow2_at_least(n: int, floor: int) -> int:
 
 class Engine:
     def __init__(self, *, model, renderer, run_cfg, step: int, workdir: str, max_batch: int, max_new_tokens: int,
-                 reward: RewardSettings, call_format: CallFormat | None = None):
+                 reward: RewardSettings, call_format: CallFormat | None = None,
+                 calibration: Calibration = IDENTITY):
         from rm_jax.model.decode import Decoder
         self.model, self.renderer, self.run_cfg, self.step = model, renderer, run_cfg, int(step)
         self.workdir = os.path.abspath(workdir)
         self.reward = reward
+        self.calibration = calibration      # P(pass) before the reward reads it (identity by default)
         self.model_type = run_cfg.model.model_type
         self.max_batch = int(max_batch)
         self.scorer = Scorer.for_run(model, renderer, run_cfg, batch_size=self.max_batch,
@@ -108,14 +111,14 @@ class Engine:
 
     @classmethod
     def load(cls, workdir: str, step: int | None = None, *, max_batch: int = 32, max_new_tokens: int = 64,
-             tokenizer: str = "", reward: RewardSettings = RewardSettings(),
+             tokenizer: str = "", reward: RewardSettings = RewardSettings(), calibration: Calibration = IDENTITY,
              call_format: CallFormat | None = None) -> "Engine":
         from rm_jax.score.checkpoints import load_judge
         from rm_jax.score.run import renderer_for
         run_cfg, renderer = renderer_for(workdir, tokenizer)
         model, _, used = load_judge(workdir, step)
         return cls(model=model, renderer=renderer, run_cfg=run_cfg, step=used, workdir=workdir, max_batch=max_batch,
-                   max_new_tokens=max_new_tokens, reward=reward, call_format=call_format)
+                   max_new_tokens=max_new_tokens, reward=reward, call_format=call_format, calibration=calibration)
 
     # -- the worker's entry point ---------------------------------------------------------------
 
@@ -136,7 +139,7 @@ class Engine:
         """Scorer results -> the ``launch.score`` rows of a request."""
         from rm_jax.score.run import p_pass_row, result_row
         row = result_row if mode is ScoreMode.FULL else p_pass_row
-        return [row(s, r, self.reward) for s, r in zip(samples, results)]
+        return [row(s, r, self.reward, self.calibration) for s, r in zip(samples, results)]
 
     def _score(self, mode: ScoreMode, payloads: Sequence[Sequence[Sample]]) -> list[list[dict]]:
         """Every request's samples in one scorer call (GRPO groups across requests share prefixes)."""
