@@ -1,14 +1,17 @@
 """One command for the day a GPU host is at hand: do the GPU paths work, and how fast are they?
 
     python -m benchmarks.gpu_check            # one H100/H200, jax >= 0.11 with CUDA; < 5 minutes
+    python -m benchmarks.gpu_check --smoke    # any host: only the checks that run on CPU (stack_codec, choices)
 
 Checks (each prints a row; the last line is one JSON object with every figure and a pass/fail per
 check; the exit status is 0 either way, so a failing check never hides the other figures):
 
 1. ``flash_attention``: cuDNN flash attention (``jax.nn.dot_product_attention(implementation=
    "cudnn")``) against XLA's attention computed in fp32, bf16 inputs, a right-padded batch (key
-   lengths T, ~2/3 T, ~1/3 T, 1), GQA, head_dim 128 (the 30B text) and 72 (its ViT); forward and
-   the gradient. Also that ``train.attention=auto`` picks cuDNN for these inputs.
+   lengths T, ~2/3 T, ~1/3 T, 1), GQA, head_dim 128 (the 30B text), 72 (its ViT) and 256 (the
+   Qwen3.5-35B's full attention: cuDNN has it from compute capability 9.0); forward and the
+   gradient. Also that ``train.attention=auto`` picks cuDNN for these inputs where cuDNN has the
+   kernel, and XLA (with the reason) where it does not (head_dim 256 before Hopper).
 2. ``ragged_dot``: ``tokamax.ragged_dot`` against ``jax.lax.ragged_dot`` (and an fp32 reference),
    bf16, the 30B expert shapes (128 experts, K=2048, N=768), uneven groups with empty experts;
    alone and inside ``jax.shard_map`` over the local devices (each device its own tokens).
@@ -16,6 +19,10 @@ check; the exit status is 0 either way, so a failing check never hides the other
    real vocabulary, bf16 compute, the config's optimizer dtypes, cuDNN, tokamax), FSDP over the
    local devices: ``memory_analysis()`` of the compiled step, then a few steps (finite loss, time).
 4. ``score_throughput``: the tiny judge (random weights) scoring synthetic samples: samples/s.
+5. ``stack_codec``: ``train.stack_codec=bf16_bits`` (the 35B's) against the plain scan: a bf16
+   layer stack's loss and gradients bit-identical on this device, and the step time of both.
+6. ``attention_choice``: what ``train.attention`` of the 30B and 35B configs resolves to on this
+   device for their head dims (and on sm 8.0 / 9.0, for the record), with the reasons.
 
 On a host without a GPU it says so and exits 0 (``tests/test_gpu_check.py``).
 """
@@ -50,7 +57,13 @@ def _timed(fn, *args, n: int = 5) -> float:
 # 1. cuDNN flash attention
 # ---------------------------------------------------------------------------------------------
 
-FLASH_SHAPES = {128: (4, 2048, 32, 4), 72: (4, 1024, 16, 16)}     # head_dim -> (B, T, N, K)
+# head_dim -> (B, T, N, K): the 30B text and ViT; the 35B's full attention (16 heads, 2 KV heads)
+FLASH_SHAPES = {128: (4, 2048, 32, 4), 72: (4, 1024, 16, 16), 256: (4, 4096, 16, 2)}
+
+
+def _capability() -> str | None:
+    import jax
+    return getattr(jax.devices()[0], "compute_capability", None)
 
 
 def check_flash_attention(shapes: dict = FLASH_SHAPES, fused: str = "cudnn") -> dict:
@@ -58,14 +71,25 @@ def check_flash_attention(shapes: dict = FLASH_SHAPES, fused: str = "cudnn") -> 
     import jax.numpy as jnp
     import numpy as np
 
-    from rm_jax.model.layers import choose_attention
+    from rm_jax.model.layers import choose_attention, cudnn_max_head_dim
     out: dict = {"pass": True}
+    capability = _capability()
     for head_dim, (b, t, n, k) in shapes.items():
+        chosen, why = choose_attention("auto", jax.default_backend(), jnp.bfloat16, head_dim,
+                                       compute_capability=capability)
+        if head_dim > cudnn_max_head_dim(capability):     # no cuDNN kernel here: auto must say XLA
+            ok = chosen == "xla"
+            out[f"h{head_dim}"] = {"auto_picks": chosen, "auto_reason": why, "compute_capability": capability,
+                                   "skipped": "no cuDNN kernel for this head_dim here", "pass": ok}
+            out["pass"] &= ok
+            log(f"flash_attention h={head_dim}: sm {capability} has no cuDNN kernel; auto -> {chosen} ({why})  "
+                f"[{'pass' if ok else 'FAIL'}]")
+            continue
         rng = np.random.default_rng(head_dim)
         q, kk, v = (jnp.asarray(rng.standard_normal((b, t, h, head_dim)), jnp.bfloat16) for h in (n, k, k))
         lengths = jnp.asarray([t, 2 * t // 3, t // 3, 1], jnp.int32)
         scale = head_dim ** -0.5
-        causal = head_dim == 128          # text: causal + key lengths; ViT frame slots: key lengths only
+        causal = head_dim != 72           # text: causal + key lengths; ViT frame slots: key lengths only
 
         def attn(impl, q, kk, v):
             return jax.nn.dot_product_attention(q, kk, v, scale=scale, is_causal=causal,
@@ -86,7 +110,6 @@ def check_flash_attention(shapes: dict = FLASH_SHAPES, fused: str = "cudnn") -> 
                                  argnums=(0, 1, 2)))(q, kk, v)
         g_err = max(float(np.abs(np.asarray(a, np.float32) - np.asarray(r)).max() / (np.abs(np.asarray(r)).max() + 1e-9))
                     for a, r in zip(g_cudnn, g_ref))
-        chosen, why = choose_attention("auto", jax.default_backend(), jnp.bfloat16, head_dim)
         ms_cudnn = _timed(cudnn, q, kk, v)
         xla_bf16 = jax.jit(lambda q, kk, v: attn("xla", q, kk, v))
         ms_xla = _timed(xla_bf16, q, kk, v)
@@ -283,23 +306,99 @@ def check_score_throughput(n: int = 192, batch: int = 32) -> dict:
     return {"samples": len(samples), "batch": batch, "seconds": dt, "samples_per_s": len(samples) / dt, "pass": ok}
 
 
+# ---------------------------------------------------------------------------------------------
+# 5. layer-stack codec, 6. attention choices (both also run on CPU: --smoke)
+# ---------------------------------------------------------------------------------------------
+
+def check_stack_codec(layers: int = 8, width: int = 1024, batch: int = 4096) -> dict:
+    """A bf16 layer stack (as the step differentiates the expert weights) scanned plainly and as
+    packed bits: loss and every gradient bit-identical; the step time of each."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from rm_jax.model import layer_stack
+
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param((jax.random.normal(rngs.params(), (width, width)) / width ** 0.5).astype(jnp.bfloat16))
+
+        def __call__(self, x):
+            return jnp.tanh(x @ self.w[...])
+
+    graphdef, state = nnx.split(layer_stack.LayerStack(Layer, layers, rngs=nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.key(1), (batch, width), jnp.bfloat16)
+
+    def make(codec):
+        def loss(state):
+            out, _ = nnx.merge(graphdef, state).apply(lambda layer, c, _: (layer(c), None), x, codec=codec)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        return jax.jit(jax.value_and_grad(loss))
+
+    plain, packed = make("none"), make("bf16_bits")
+    (l0, g0), (l1, g1) = plain(state), packed(state)
+    same = float(l0) == float(l1) and all(
+        np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)))
+    ms_plain, ms_packed = _timed(plain, state), _timed(packed, state)
+    log(f"stack_codec ({layers} x [{width}, {width}] bf16): loss and gradients bit-identical: {same}; "
+        f"plain {ms_plain:.2f} ms, bf16_bits {ms_packed:.2f} ms  [{'pass' if same else 'FAIL'}]")
+    return {"bit_identical": same, "ms_plain": ms_plain, "ms_bf16_bits": ms_packed, "pass": same}
+
+
+def check_attention_choice() -> dict:
+    """train.attention of the 30B and 35B configs resolved for their text head dims: on this
+    device, and on compute capability 8.0 and 9.0 for the record."""
+    import importlib
+
+    import jax
+
+    from rm_jax.model.layers import choose_attention
+    platform, capability = jax.default_backend(), _capability()
+    out: dict = {"pass": True, "platform": platform, "compute_capability": capability}
+    for name in ("qwen3_vl_30b_a3b", "qwen3_5_35b_a3b"):
+        cfg = importlib.import_module(f"configs.{name}").get_config()
+        head_dim = int(cfg.model.text_config.head_dim)
+        rows = {"here": choose_attention(cfg.train.attention, platform, cfg.train.dtype, head_dim,
+                                         compute_capability=capability)}
+        for sm in ("8.0", "9.0"):
+            rows[f"sm{sm}"] = choose_attention(cfg.train.attention, "gpu", cfg.train.dtype, head_dim,
+                                               compute_capability=sm)
+        # Hopper runs every config's text attention as cuDNN flash (what the memory plan counts).
+        ok = rows["sm9.0"][0] == "cudnn"
+        out[name] = {"head_dim": head_dim, "train.attention": cfg.train.attention,
+                     **{k: {"impl": v[0], "why": v[1]} for k, v in rows.items()}, "pass": ok}
+        out["pass"] &= ok
+        log(f"attention_choice {name} (head_dim {head_dim}, train.attention={cfg.train.attention}): "
+            + "; ".join(f"{k} -> {v[0]} ({v[1]})" for k, v in rows.items()) + f"  [{'pass' if ok else 'FAIL'}]")
+    return out
+
+
 CHECKS = {"flash_attention": check_flash_attention, "ragged_dot": check_ragged_dot,
-          "train_step": check_train_step, "score_throughput": check_score_throughput}
+          "train_step": check_train_step, "score_throughput": check_score_throughput,
+          "stack_codec": check_stack_codec, "attention_choice": check_attention_choice}
+# What --smoke runs on a CPU host (reduced shapes): the checks with no GPU-only kernel.
+SMOKE = {"stack_codec": lambda: check_stack_codec(layers=3, width=64, batch=32),
+         "attention_choice": check_attention_choice}
 
 
 def main() -> int:
     import jax
+    smoke = "--smoke" in sys.argv[1:]
     backend = jax.default_backend()
-    if backend != "gpu":
-        log(f"gpu_check needs a GPU (jax {jax.__version__} found only the '{backend}' platform): nothing checked.")
+    if backend != "gpu" and not smoke:
+        log(f"gpu_check needs a GPU (jax {jax.__version__} found only the '{backend}' platform): nothing checked "
+            f"(--smoke runs the CPU-runnable checks).")
         print(json.dumps({"bench": "gpu_check", "skipped": True, "reason": f"no GPU (platform {backend})",
                           "jax": jax.__version__}), flush=True)
         return 0
     dev = jax.local_devices()[0]
-    log(f"gpu_check: jax {jax.__version__}, {jax.local_device_count()} x {dev.device_kind}")
+    log(f"gpu_check{' --smoke' if smoke else ''}: jax {jax.__version__}, {jax.local_device_count()} x "
+        f"{dev.device_kind}")
     results: dict = {}
     t_all = time.time()
-    for name, fn in CHECKS.items():
+    for name, fn in (SMOKE if smoke else CHECKS).items():
         t0 = time.time()
         try:
             results[name] = fn()
@@ -308,7 +407,7 @@ def main() -> int:
             results[name] = {"pass": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
             log(f"{name}: ERROR {type(e).__name__}: {str(e)[:300]}  [FAIL]")
         results[name]["seconds"] = round(time.time() - t0, 1)
-    summary = {"bench": "gpu_check", "jax": jax.__version__, "device": dev.device_kind,
+    summary = {"bench": "gpu_check", "smoke": smoke, "skipped": False, "jax": jax.__version__, "device": dev.device_kind,
                "devices": jax.local_device_count(), "seconds": round(time.time() - t_all, 1),
                "pass": {k: bool(v.get("pass")) for k, v in results.items()},
                "all_pass": all(bool(v.get("pass")) for v in results.values()), "checks": results}

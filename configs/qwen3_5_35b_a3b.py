@@ -73,9 +73,13 @@ def get_config() -> ml_collections.ConfigDict:
     cfg = qwen3_vl_30b_a3b.get_config()
     cfg.name = "qwen3_5_35b_a3b"
     cfg.model = hf_model_config()
-    # Full-attention head_dim is 256, beyond the cuDNN flash head dims layers.choose_attention
-    # admits (<= 128): "auto" picks XLA's attention on GPU and logs why, rather than failing.
+    # Full-attention head_dim is 256: cuDNN flash has kernels for it on Hopper and later (sm90+),
+    # not before. "auto" picks cuDNN there and XLA's attention elsewhere, naming it in the log
+    # (layers.choose_attention), rather than failing on an A100.
     cfg.train.attention = "auto"
+    # The 35B's bf16 expert stacks enter the layer scan as packed bits (bit-identical; what the
+    # memory plan compiles: XLA:CPU would slice f32 copies of each whole stack).
+    cfg.train.stack_codec = "bf16_bits"
     # Memory: the 30B recipe's grad_accum=4 and bf16 expert grads/accumulator, unchanged
     # (benchmarks/memory_plan.py --model=qwen3_5_35b_a3b; docs/operations.md's 35B table).
     return cfg

@@ -32,6 +32,7 @@ from typing import Any, Mapping
 from rm_jax.model import convert, registry
 from rm_jax.model.config import ConfigError, RuntimeOptions, plain_dict
 from rm_jax.model.layers import ATTENTION_IMPLS
+from rm_jax.model.layer_stack import STACK_CODECS
 from rm_jax.model.moe import BACKENDS, RAGGED_DOT_IMPLS
 from rm_jax.sharding import MeshShape
 
@@ -116,6 +117,8 @@ class TrainSection:
     remat: str = _field("none", "rematerialization policy: none | full | dots | dots_no_batch")
     attention: str = _field("auto", "auto | cudnn | xla | blocked (auto: CPU kernel on CPU, cuDNN flash when eligible)")
     scan_layers: bool = _field(True, "lax.scan over homogeneous runs of layers")
+    stack_codec: str = _field("none", "none | bf16_bits: bf16 layer stacks scanned as packed bits (bit-identical; "
+                              "XLA:CPU otherwise slices an f32 copy of each whole stack)")
     verdict_weight: float = _field(8.0, "loss weight of the verdict token (1.0 = plain token mean)")
     context_lm_weight: float = _field(0.0, "weight of the context LM term (predict the judged response); 0 = off")
     context_lm_tokens: int = _field(128, "prompt tokens before the target the context LM term predicts")
@@ -149,6 +152,8 @@ class TrainSection:
                 raise ConfigError(f"train.{key}={getattr(self, key)}: must be >= 0 (0 = only at the last step)")
         if self.attention not in ATTENTION_IMPLS:
             raise ConfigError(f"train.attention={self.attention!r}; expected one of {tuple(ATTENTION_IMPLS)}")
+        if self.stack_codec not in STACK_CODECS:
+            raise ConfigError(f"train.stack_codec={self.stack_codec!r}; expected one of {tuple(STACK_CODECS)}")
         if self.context_lm_weight and self.context_lm_tokens <= 0:
             raise ConfigError(f"train.context_lm_weight={self.context_lm_weight} needs train.context_lm_tokens > 0 "
                               f"(got {self.context_lm_tokens})")
@@ -313,7 +318,8 @@ def runtime_options(run: RunConfig) -> RuntimeOptions:
     """The execution choices of ``train`` and ``moe`` the model is built with."""
     t = run.train
     return RuntimeOptions(dtype=t.dtype, param_dtype=t.param_dtype, remat=t.remat, scan_layers=t.scan_layers,
-                          moe_backend=run.moe.backend, ragged_dot=run.moe.ragged_dot, attention=t.attention)
+                          moe_backend=run.moe.backend, ragged_dot=run.moe.ragged_dot, attention=t.attention,
+                          stack_codec=t.stack_codec)
 
 
 def model_config(run: RunConfig):

@@ -94,6 +94,11 @@ def test_attention_auto_picks_cudnn_flash_only_when_eligible():
     for head_dim in (100, 256):
         impl, why = choose_attention("auto", "gpu", "bfloat16", head_dim)
         assert impl == "xla" and f"head_dim {head_dim}" in why
+    # Hopper and later have head_dim-256 kernels (Qwen3.5's full attention); an A100 does not.
+    assert choose_attention("auto", "gpu", "bfloat16", 256, compute_capability="9.0") == ("cudnn", "eligible")
+    impl, why = choose_attention("auto", "gpu", "bfloat16", 256, compute_capability="8.0")
+    assert impl == "xla" and "head_dim 256" in why and "8.0" in why
+    assert choose_attention("auto", "gpu", "bfloat16", 264, compute_capability="9.0")[0] == "xla"
     impl, why = choose_attention("auto", "gpu", "bfloat16", 128, dense_mask=True)
     assert impl == "xla" and "mask" in why
     assert choose_attention("auto", "tpu", "bfloat16", 128)[0] == "xla"

@@ -30,6 +30,9 @@ class RuntimeOptions:
     # GPU cuDNN flash when eligible, else XLA's, logged: layers.choose_attention), "xla" / "cudnn"
     # (jax.nn.dot_product_attention with that implementation), "blocked" (the CPU kernel anywhere).
     attention: str = "auto"
+    # How bf16 layer stacks enter the layer scan (config key train.stack_codec): "none" |
+    # "bf16_bits" (scanned as packed bits; bit-identical results, see layer_stack.STACK_CODECS).
+    stack_codec: str = "none"
 
 
 def plain_dict(d) -> dict:

@@ -17,10 +17,13 @@ Design choices:
   them with ``jax.lax.scan`` over ``nnx.merge``-d slices, so compile time is flat in depth, and
   wraps the body in ``jax.checkpoint`` with a configurable policy. With ``scan=False`` it unrolls
   the same params in a Python loop (same checkpoint layout either way).
-* **How a stacked leaf enters the scan** is one seam, ``STACK_CODEC``: ``encode`` maps the stacked
-  params before the scan, ``decode`` maps each layer's slice inside it (default: the identity).
-  ``benchmarks/memory_plan.py`` sets ``bf16_bit_codec()`` there, because XLA:CPU cannot slice a bf16
-  stack in place (it slices an f32 copy of the whole stack) and a GPU can.
+* **How a stacked leaf enters the scan** is one seam, a ``StackCodec`` named by the config
+  (``train.stack_codec``, ``STACK_CODECS``): ``encode`` maps the stacked params before the scan,
+  ``decode`` maps each layer's slice inside it. ``"none"`` is the identity; ``"bf16_bits"``
+  (``bf16_bit_codec``) scans bf16 leaves as their bits, because XLA:CPU cannot slice a bf16 stack
+  in place (it slices an f32 copy of the whole stack; a GPU slices bf16 directly, so there it
+  costs nothing and changes nothing). Loss and gradients are bit-identical either way
+  (tests/test_layer_stack_codec.py), so the memory plan compiles what training runs.
 """
 
 from __future__ import annotations
@@ -101,7 +104,6 @@ class StackCodec:
 
 
 IDENTITY_CODEC = StackCodec(encode=lambda s: s, decode=lambda s: s)
-STACK_CODEC = IDENTITY_CODEC
 
 
 def bf16_bit_codec() -> StackCodec:
@@ -145,6 +147,16 @@ def bf16_bit_codec() -> StackCodec:
     return StackCodec(encode=encode, decode=decode)
 
 
+# train.stack_codec -> codec (built once: jit caches key on the functions' identity)
+STACK_CODECS: dict[str, StackCodec] = {"none": IDENTITY_CODEC, "bf16_bits": bf16_bit_codec()}
+
+
+def stack_codec(name: str) -> StackCodec:
+    if name not in STACK_CODECS:
+        raise ValueError(f"train.stack_codec={name!r}; expected one of {sorted(STACK_CODECS)}")
+    return STACK_CODECS[name]
+
+
 def _prepend_layer_axis(var: nnx.Variable) -> nnx.Variable:
     names = var.get_metadata().get("out_sharding")
     if names:
@@ -164,14 +176,16 @@ class LayerStack(nnx.Module):
         self.n = n
         self.layers = nnx.merge(graphdef, stacked)
 
-    def apply(self, body: Callable, carry, xs=None, *, scan: bool = True, remat: str = "none"):
+    def apply(self, body: Callable, carry, xs=None, *, scan: bool = True, remat: str = "none",
+              codec: str = "none"):
         """``body(layer, carry, x) -> (carry, y)`` over the stacked layers, like ``lax.scan``.
 
         ``xs`` is an optional pytree with a leading layer axis. Returns ``(carry, ys)`` with ys
-        stacked on a leading layer axis (or None when body returns None).
+        stacked on a leading layer axis (or None when body returns None). ``codec`` names how the
+        stacked params enter the scan (``STACK_CODECS``; unrolled stacks need none).
         """
         graphdef, state = nnx.split(self.layers)
-        codec = STACK_CODEC if scan and self.n > 1 else IDENTITY_CODEC
+        codec = stack_codec(codec) if scan and self.n > 1 else IDENTITY_CODEC
 
         def step(carry, inputs):
             layer_state, x = inputs

@@ -153,20 +153,32 @@ class AttentionMask:
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "blocked")
 # cuDNN flash attention: half-precision inputs and head dims it has kernels for (multiples of 8
-# up to 128 on every cuDNN 9 / sm80+ build jax ships with; 30B-A3B text is 128, its ViT 72).
+# up to 128 on every cuDNN 9 / sm80+ build jax ships with: 30B-A3B text is 128, its ViT 72; up to
+# 256 on Hopper and later, as jax's own flash check admits: Qwen3.5's full attention is 256).
 CUDNN_DTYPES = ("bfloat16", "float16")
 CUDNN_MAX_HEAD_DIM = 128
+CUDNN_MAX_HEAD_DIM_SM90 = 256
+
+
+def cudnn_max_head_dim(compute_capability: str | None) -> int:
+    """The largest head_dim cuDNN flash attention runs on a GPU of this compute capability ("9.0")."""
+    try:
+        major = int(str(compute_capability).split(".")[0])
+    except ValueError:
+        return CUDNN_MAX_HEAD_DIM
+    return CUDNN_MAX_HEAD_DIM_SM90 if major >= 9 else CUDNN_MAX_HEAD_DIM
 
 
 def choose_attention(requested: str, platform: str, dtype, head_dim: int, *,
-                     dense_mask: bool = False) -> tuple[str, str]:
+                     dense_mask: bool = False, compute_capability: str | None = None) -> tuple[str, str]:
     """The attention implementation to run, and why: a pure function of where and on what.
 
     ``requested`` is ``train.attention``. "auto" gives the CPU kernel ("blocked") on CPU; on a
     CUDA GPU cuDNN flash attention when it is eligible (bf16/fp16, head_dim a multiple of 8 and
-    <= 128, key lengths rather than a dense [B,1,T,S] mask), else XLA's attention, with the
-    reason. An explicit choice is returned as is (cuDNN then fails loudly when ineligible,
-    instead of silently running the non-flash path a memory plan did not count on)."""
+    <= 128, or <= 256 on compute capability 9.0+, key lengths rather than a dense [B,1,T,S]
+    mask), else XLA's attention, with the reason. An explicit choice is returned as is (cuDNN then
+    fails loudly when ineligible, instead of silently running the non-flash path a memory plan
+    did not count on)."""
     if requested not in ATTENTION_IMPLS:
         raise ValueError(f"train.attention={requested!r}; expected one of {ATTENTION_IMPLS}")
     if requested != "auto":
@@ -178,8 +190,10 @@ def choose_attention(requested: str, platform: str, dtype, head_dim: int, *,
     name = jnp.dtype(dtype).name
     if name not in CUDNN_DTYPES:
         return "xla", f"dtype {name} (cuDNN flash needs bfloat16 or float16)"
-    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
-        return "xla", f"head_dim {head_dim} (cuDNN flash needs a multiple of 8 <= {CUDNN_MAX_HEAD_DIM})"
+    max_dim = cudnn_max_head_dim(compute_capability)
+    if head_dim % 8 or head_dim > max_dim:
+        return "xla", (f"head_dim {head_dim} (cuDNN flash needs a multiple of 8 <= {max_dim} on compute capability "
+                       f"{compute_capability or 'unknown'}; <= {CUDNN_MAX_HEAD_DIM_SM90} from 9.0)")
     if dense_mask:
         return "xla", "a dense attention mask (cuDNN flash takes key lengths: right padding)"
     return "cudnn", "eligible"
@@ -189,7 +203,10 @@ _LOGGED_CHOICES: set = set()
 
 
 def _resolve_attention(requested: str, q, dense_mask: bool) -> str:
-    impl, why = choose_attention(requested, jax.default_backend(), q.dtype, q.shape[-1], dense_mask=dense_mask)
+    platform = jax.default_backend()
+    capability = getattr(jax.devices()[0], "compute_capability", None) if platform in ("gpu", "cuda") else None
+    impl, why = choose_attention(requested, platform, q.dtype, q.shape[-1], dense_mask=dense_mask,
+                                 compute_capability=capability)
     if requested == "auto" and impl == "xla":
         key = (why, q.shape[-1])
         if key not in _LOGGED_CHOICES:      # at trace time, once per reason

@@ -217,7 +217,8 @@ class Qwen35MoeJudge(JudgeModule):
             return x, (stack(hs) if return_hidden else None, stack(auxes), tuple(states) if return_kv else None)
 
         # Remat is per layer (_call_layer), not per block.
-        x_btd, (h_nplbtd, aux_np, states) = self.blocks.apply(body, x_btd, scan=cfg.runtime.scan_layers)
+        x_btd, (h_nplbtd, aux_np, states) = self.blocks.apply(body, x_btd, scan=cfg.runtime.scan_layers,
+                                                              codec=cfg.runtime.stack_codec)
         flat = lambda a: a.reshape((-1,) + a.shape[2:])     # [blocks, period, ...] -> [layers, ...]
         moe_aux = jax.tree.map(flat, aux_np)
         kv = recurrent = None

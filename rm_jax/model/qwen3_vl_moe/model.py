@@ -156,7 +156,7 @@ class Qwen3VLMoeJudge(JudgeModule):
         for group, stack in zip(self.layer_groups, self.decoder):
             start = group.start
             x_btd, (h_lbtd, aux, kv) = stack.apply(body, x_btd, scan=cfg.runtime.scan_layers,
-                                                   remat=cfg.runtime.remat)
+                                                   remat=cfg.runtime.remat, codec=cfg.runtime.stack_codec)
             hidden.append(h_lbtd)
             auxes.append(aux)
             kvs.append(kv)
