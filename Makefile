@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo ablation test test-slow bench install clean
+.PHONY: demo ablation test test-slow rl-frameworks bench install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,8 +23,13 @@ ablation: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) rl-frameworks
 	$(BIN)/python -m pytest -q -m slow
+
+# verl and OpenRLHF's reward-client code (tests/test_serve_frameworks.py), without their GPU stacks.
+rl-frameworks: $(STAMP)
+	$(BIN)/pip install -q -e '.[test,rl]'
+	$(BIN)/pip install -q --no-deps verl==0.9.1 openrlhf==0.11.2 tensordict==0.10.0 pyvers==0.1.0
 
 BENCHMARKS := data_throughput forward_vs_hf moe_flops train_vs_hf score_vs_hf memory_plan gdn_vs_hf serve_load gpu_check
 

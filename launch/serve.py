@@ -2,6 +2,7 @@
 
   python -m launch.serve --workdir=W [--step=N] [--host=127.0.0.1] [--port=8000] [--max_batch=32]
                          [--max_wait_ms=10] [--max_queue=1024] [--image_root=DIR] [--api_key_file=F]
+                         [--tool_call_format=template] [--keep_think] [--nowarmup] [--compile_cache_dir=D]
 
 Endpoints (docs/contracts.md): GET /healthz, POST /v1/score, POST /get_reward, POST /v1/chat/completions,
 GET /v1/models, GET /metrics. Without --step the sweep's chosen step is used (else the latest).
@@ -38,6 +39,10 @@ _CALL_FORMAT = flags.DEFINE_enum("tool_call_format", "template", ["template", "a
                                   "per response), detected per response, Hermes JSON, or Qwen3.5/Qwen3-Coder XML")
 _KEEP_THINK = flags.DEFINE_bool("keep_think", False, "judge a rollout's <think>...</think> text as part of its "
                                 "content (default: reasoning is not judged)")
+_WARMUP = flags.DEFINE_bool("warmup", True, "compile every scoring shape (length buckets x image rungs x p_pass/full, "
+                            "shared-prefix widths) before /healthz reports ready")
+_COMPILE_CACHE = flags.DEFINE_string("compile_cache_dir", None, "persistent XLA compilation cache: a restart "
+                                     "reads the ladder's compiles back instead of compiling again")
 _CALIBRATION = flags.DEFINE_enum("calibration", "none", ["none", "prior", "temperature"],
                                  "P(pass) calibration: none (the field report's reward), prior (undo the training "
                                  "stream's failure oversampling), temperature (fitted by launch.sweep)")
@@ -74,6 +79,10 @@ def main(argv):
     if _IMAGE_ROOT.value and not os.path.isdir(_IMAGE_ROOT.value):
         sys.exit(f"--image_root={_IMAGE_ROOT.value}: no such directory")
     quiet_library_info()
+    if _COMPILE_CACHE.value:
+        import jax
+        jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE.value)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     import uvicorn
 
     from rm_jax.serve.app import ServeSettings, create_app
@@ -87,7 +96,7 @@ def main(argv):
                          call_format=None if _CALL_FORMAT.value == "template" else CallFormat(_CALL_FORMAT.value))
     settings = ServeSettings(max_batch=_MAX_BATCH.value, max_wait_ms=_MAX_WAIT.value, max_queue=_MAX_QUEUE.value,
                              image_root=_IMAGE_ROOT.value, api_key=api_key, max_body_bytes=_MAX_BODY.value << 20,
-                             keep_think=_KEEP_THINK.value)
+                             keep_think=_KEEP_THINK.value, warmup=_WARMUP.value)
     asgi, _ = create_app(engine, settings)
     logging.info("rollouts: assistant turn starts at %r, tool calls %s%s", engine.assistant_start,
                  engine.call_format.value, ", <think> judged" if _KEEP_THINK.value else "")

@@ -12,8 +12,8 @@
 ``manifest.json`` with the run config (data dir -> the built shards, whose manifest names the
 tokenizer), Orbax checkpoints of a randomly initialized judge (shallow: compile time is most of
 these tests' cost) and a ``sweep.json`` choosing one step. ``JudgeServer`` runs
-``python -m launch.serve`` in a subprocess on a free port with one CPU device, waits for
-``/healthz``, and on exit sends SIGTERM and waits for the process to end.
+``python -m launch.serve`` in a subprocess on a free port with one CPU device (``--nowarmup``
+unless ``warmup=True``), waits for ``/healthz`` to report ready, and on exit sends SIGTERM and waits for the process to end.
 """
 
 from __future__ import annotations
@@ -71,6 +71,20 @@ def make_judge_workdir(root, tiny_cfg, shards_dir: str, renderer, *, steps=(1,),
     return workdir
 
 
+def small_scorer(tiny_cfg, renderer, *, batch_size: int, max_new_tokens: int = 8, seed: int = 0):
+    """A random-init shallow judge's Scorer with the tiny run's buckets and image budget."""
+    from rm_jax.model import init_model
+    from rm_jax.run_config import model_config, parse
+    from rm_jax.score.scorer import Scorer
+    cfg = tiny_cfg.copy_and_resolve_references()
+    cfg.model.text_config.vocab_size = len(renderer.tokenizer)
+    cfg.model.text_config.num_hidden_layers = SMALL_MODEL["num_hidden_layers"]
+    cfg.model.vision_config.depth = SMALL_MODEL["vision_depth"]
+    cfg.model.vision_config.deepstack_visual_indexes = (0,)
+    model = init_model(model_config(parse(cfg)), seed=seed)
+    return Scorer.for_run(model, renderer, cfg, batch_size=batch_size, max_new_tokens=max_new_tokens, progress=False)
+
+
 def server_env(cache_dir=None) -> dict:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)              # one CPU device, as a single-host server has
@@ -86,8 +100,10 @@ class JudgeServer:
     """``python -m launch.serve`` on a free loopback port (see the module docstring)."""
 
     def __init__(self, workdir: str, *flags: str, cache_dir=None, api_key: str | None = None,
-                 startup_timeout_s: float = 300.0, log_path: str | None = None):
-        self.workdir, self.flags, self.api_key = workdir, list(flags), api_key
+                 startup_timeout_s: float = 300.0, log_path: str | None = None, warmup: bool = False):
+        # Without warmup the server skips compiling its shape ladder (tests reach few shapes).
+        self.workdir, self.api_key = workdir, api_key
+        self.flags = list(flags) + ([] if warmup or "--nowarmup" in flags else ["--nowarmup"])
         self.cache_dir, self.startup_timeout_s = cache_dir, startup_timeout_s
         self.log_path = log_path or os.path.join(workdir, f"serve_{os.getpid()}_{time.time_ns()}.log")
         self.port = free_port()

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from serve_fixtures import SMALL_MODEL
+from serve_fixtures import small_scorer
 
 from rm_jax.data.schema import Sample, read_samples
 from rm_jax.score.scorer import ScoreMode
@@ -20,16 +20,7 @@ BATCH = 4
 
 @pytest.fixture(scope="module")
 def scorer(tiny_cfg, renderer):
-    from rm_jax.model import init_model
-    from rm_jax.score.scorer import Scorer
-    from rm_jax.run_config import model_config, parse
-    cfg = tiny_cfg.copy_and_resolve_references()
-    cfg.model.text_config.vocab_size = len(renderer.tokenizer)
-    cfg.model.text_config.num_hidden_layers = SMALL_MODEL["num_hidden_layers"]
-    cfg.model.vision_config.depth = SMALL_MODEL["vision_depth"]
-    cfg.model.vision_config.deepstack_visual_indexes = (0,)
-    model = init_model(model_config(parse(cfg)), seed=0)
-    return Scorer.for_run(model, renderer, cfg, batch_size=BATCH, max_new_tokens=8, progress=False)
+    return small_scorer(tiny_cfg, renderer, batch_size=BATCH)
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,11 @@ import dataclasses
 import hmac
 import json
 import math
+import threading
 import time
 import uuid
 
+from absl import logging
 from fastapi import FastAPI, HTTPException
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -36,6 +38,7 @@ from rm_jax.serve.engine import KIND_CHAT, ChatInputError, kind_label
 from rm_jax.serve.inputs import BadSample, parse_request_sample
 from rm_jax.serve.metrics import ServerMetrics
 from rm_jax.serve.rollout import RolloutParser
+from rm_jax.serve.warmup import CompileCounter, log_progress, shape_ladder, warm_ladder
 
 ROUTES = ("/healthz", "/v1/models", "/v1/chat/completions", "/v1/score", "/get_reward", "/metrics")
 OPEN_ROUTES = ("/healthz",)
@@ -48,6 +51,7 @@ class ServeSettings:
     max_queue: int = 1024
     image_root: str | None = None
     keep_think: bool = False        # judge the policy's <think> text as part of its content
+    warmup: bool = True             # compile the shape ladder before reporting ready
     api_key: str | None = None
     max_body_bytes: int = 64 << 20
 
@@ -189,12 +193,32 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
                       on_batch=observe,
                       on_depth=metrics.queue_depth.set)
 
+    counter = CompileCounter.install()
+    metrics.compiles.set_function(lambda: counter.compiles)
+    ready = threading.Event()
+
+    def get_ready() -> None:
+        """Compile the ladder (live, not ready: /healthz says starting), then serve."""
+        try:
+            if settings.warmup:
+                shapes = shape_ladder(engine.scorer)
+                logging.info("compiling the shape ladder: %d shapes", len(shapes))
+                got = warm_ladder(engine.scorer, shapes, log_progress)
+                logging.info("shape ladder ready: %d shapes in %.1f s, %d compiles", got["shapes"], got["seconds"],
+                             got["compiles"])
+        finally:
+            batcher.start()         # requests admitted meanwhile waited in the queue
+            ready.set()
+            metrics.ready.set(1)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        batcher.start()
+        warming = threading.Thread(target=get_ready, name="rm_jax-warmup", daemon=True)
+        warming.start()
         try:
             yield
         finally:
+            await asyncio.to_thread(warming.join)
             # uvicorn has already waited for the requests in flight (SIGTERM); finish what the
             # worker still holds, off the event loop.
             await asyncio.to_thread(batcher.stop)
@@ -214,8 +238,10 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
         except JobTooLarge as e:
             raise HTTPException(413, str(e)) from None
 
-    @app.get("/healthz", response_model=api.Health)
+    @app.get("/healthz", response_model=None)
     async def healthz():
+        if not ready.is_set():
+            return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "5"})
         return api.Health(status="ok", step=engine.step, model_type=engine.model_type, queue=batcher.depth)
 
     @app.get("/metrics")

@@ -19,6 +19,8 @@ class ServerMetrics:
     batch_size: Histogram      # samples per worker batch (one scorer call), by kind (score_full, score_p_pass, chat)
     queue_depth: Gauge         # samples admitted and not yet answered
     samples: Counter           # samples scored, by kind and outcome (ok, error)
+    ready: Gauge               # 1 once the shape ladder is compiled
+    compiles: Gauge            # XLA backend compiles in this process (warmup.CompileCounter)
 
     @classmethod
     def create(cls) -> "ServerMetrics":
@@ -34,4 +36,6 @@ class ServerMetrics:
             queue_depth=Gauge("rm_jax_queue_depth", "samples admitted and not yet answered", registry=r),
             samples=Counter("rm_jax_samples", "samples processed by kind and outcome", ["kind", "outcome"],
                             registry=r),
+            ready=Gauge("rm_jax_ready", "1 once the shape ladder is compiled", registry=r),
+            compiles=Gauge("rm_jax_xla_compiles", "XLA backend compiles in this process so far", registry=r),
         )
