@@ -25,8 +25,6 @@ DOCS = ["README.md", "WORKSPACE.md", "docs/contracts.md", "docs/operations.md", 
 # inside one) or shell line.
 COMMAND = re.compile(r"python -m ((?:launch|benchmarks)\.[a-z0-9_]+)((?:\\\||\\\n|[^`|\n])*)")
 FLAG = re.compile(r"(?<![\w-])--([A-Za-z_][\w.]*)")
-# Documented entry points still being written (issue 36); remove each once its module lands.
-PENDING_MODULES = {"launch.select"}
 
 
 def documented_commands() -> list[tuple[str, str, str]]:
@@ -98,8 +96,6 @@ def test_docs_document_commands():
                          ids=lambda v: v if isinstance(v, str) and "\n" not in v and len(v) < 40 else "")
 def test_documented_command_is_true(doc, module, args):
     path = os.path.join(REPO, *module.split(".")) + ".py"
-    if module in PENDING_MODULES and not os.path.isfile(path):
-        pytest.xfail(f"{module} is documented and not written yet")
     assert os.path.isfile(path), f"{doc}: python -m {module}: no such module"
     flags = defined_flags(module)
     configs = {}
