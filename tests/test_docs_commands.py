@@ -138,6 +138,16 @@ def test_one_liners_run():
     assert re.search(r"^train\.steps = ", described, re.M) and re.search(r"^mesh\.fsdp = ", described, re.M), described
 
 
+def test_config_keys_in_prose_exist():
+    """A config key the docs name in backticks (`train.value_check_weight`, `data.max_len=640`) is a
+    key of the embedded default or of the scalar RM's config."""
+    configs = [load_config(os.path.join(REPO, "configs", name)) for name in ("tiny.py", "rm_tiny.py")]
+    key = re.compile(r"`(?:--config\.)?((?:data|train|mesh|moe|rm)\.[a-z_][a-z0-9_.]*[a-z0-9_])(?:=[^`]*)?`")
+    for doc in DOCS:
+        for name in key.findall(open(os.path.join(REPO, doc), encoding="utf-8").read()):
+            assert any(_has_key(cfg, name) for cfg in configs), f"{doc}: `{name}` is not a config key"
+
+
 def test_doc_links_stay_inside_the_repository():
     """Users clone the repository alone: every relative link resolves to a file in it."""
     for doc in DOCS:
