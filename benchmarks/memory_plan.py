@@ -17,10 +17,15 @@ default on; both are printed so the substitution is visible):
   ``_ragged_dot_kernel_like`` has that footprint and the balanced-routing FLOPs (2*M_local*K*N).
 * text/vision attention: XLA materializes [B, N, T, S] fp32 logits. ``--attention=chunked`` swaps
   ``jax.nn.dot_product_attention`` for an exact query-blocked version (O(T * block) memory, the
-  same FLOPs), i.e. what a flash kernel needs; ``--attention=xla`` keeps the library's path, which
-  is also what jax 0.10 runs on GPU (``implementation=None`` is XLA there too, see the notes).
-* bf16 stacks in the layer scan: XLA:CPU slices an f32 copy of each whole stack. ``--bf16_slices``
-  (default on for the 35B only) scans them as packed bits (``rm_jax.model.layer_stack.bf16_bit_codec``).
+  same FLOPs), i.e. what a flash kernel needs; ``--attention=xla`` keeps XLA's attention.
+  ``--attention=auto`` (default) uses the stand-in only when training on the target GPU (compute
+  capability ``--target_sm``, 9.0 = H100/H200) runs cuDNN flash attention: the config's
+  ``train.attention`` resolved by ``layers.choose_attention`` for the text head_dim (the 35B's
+  256 has cuDNN kernels from sm90 on). Otherwise it plans XLA's attention, as training would run.
+* bf16 stacks in the layer scan: XLA:CPU slices an f32 copy of each whole stack. The config's
+  ``train.stack_codec=bf16_bits`` (the 35B's) scans them as packed bits in training and here alike
+  (``rm_jax.model.layer_stack.bf16_bit_codec``: bit-identical, tests/test_layer_stack_codec.py);
+  ``--bf16_slices=false/true`` overrides the config's key (the compiled-config line shows it).
 * Reductions of converted stacks: XLA:CPU's YNNPACK reduction fusions take no fused producer, so the
   global norm of the bf16 expert gradients first writes an f32 copy of them. ``--bf16_reductions``
   (default on for the 35B only) turns those fusions off (``--xla_cpu_experimental_ynn_fusion_type=``).
@@ -60,7 +65,10 @@ flags.DEFINE_integer("seq", 8192, "sequence length (the recipe's max length)")
 flags.DEFINE_integer("global_batch", 32, "examples per optimizer step")
 flags.DEFINE_integer("patches_per_sample", 1024, "ViT patches per sample in *_img variants (1024 = 256 merged tokens)")
 flags.DEFINE_bool("gpu_kernels", True, "replace CPU-only lowerings (ragged_dot) by kernel-like stand-ins")
-flags.DEFINE_enum("attention", "chunked", ["chunked", "xla"], "attention lowering (see module doc)")
+flags.DEFINE_enum("attention", "auto", ["auto", "chunked", "xla"],
+                  "attention lowering: auto = the flash stand-in iff training on --target_sm runs cuDNN flash "
+                  "(see module doc)")
+flags.DEFINE_string("target_sm", "9.0", "compute capability of the GPUs planned for (9.0: H100/H200)")
 flags.DEFINE_integer("attn_block", 512, "query block of the chunked attention")
 flags.DEFINE_bool("check_init_sharding", True, "also compile the optimizer init as StepBuilder.init_state places it")
 flags.DEFINE_bool("flops", True, "per-layer compiles to correct the scan-undercounted FLOPs")
@@ -69,9 +77,8 @@ flags.DEFINE_bool("bf16_gather", None,
                   "XLA:CPU's f32 (see make_bf16_gather; default: on for qwen3_5_35b_a3b, off for "
                   "qwen3_vl_30b_a3b, whose table was measured without it)")
 flags.DEFINE_bool("bf16_slices", None,
-                  "the layer scan slices bf16 stacks as their bits, as a GPU does, not as XLA:CPU's f32 copies of "
-                  "each whole stack (see layer_stack.bf16_bit_codec; default: on for qwen3_5_35b_a3b, off for "
-                  "qwen3_vl_30b_a3b, whose table was measured without it)")
+                  "override the config's train.stack_codec: true = bf16_bits (bf16 stacks scanned as their bits), "
+                  "false = none (default: the config's key, which training uses too)")
 flags.DEFINE_bool("bf16_reductions", None,
                   "turn off XLA:CPU's YNNPACK reduction fusions, which take no fused producer: a reduction of a "
                   "converted bf16 stack (the global norm of the bf16 expert gradients) then materializes an f32 "
@@ -84,6 +91,7 @@ flags.DEFINE_enum("model", "qwen3_vl_30b_a3b", ["qwen3_vl_30b_a3b", "qwen3_5_35b
 GIB = 1 << 30
 H200_BF16 = 989e12
 ORIG_ATTENTION = None
+PLAN_ATTENTION = "xla"      # what plan_attention chose for this run
 ORIG_SHARDED_EXPERTS = None
 REPORT_S_PER_STEP = (7 * 3600 + 19 * 60) / 2299
 
@@ -314,9 +322,9 @@ def compile_variant(name, f):
             raise ValueError(f"--override={item!r}: expected SECTION.KEY=VALUE with an existing key")
         cfg[section][leaf] = type(cfg[section][leaf])(value) if value.lstrip("-").isdigit() else value
     cfg.moe.backend = backend
-    # The config's attention (cuDNN flash) is what --attention=chunked stands in for;
-    # --attention=xla compiles XLA's [B, N, T, S] attention instead.
-    if f.attention == "xla":
+    # The config's attention (cuDNN flash on the target GPU) is what the chunked stand-in is;
+    # planned as XLA, it compiles XLA's [B, N, T, S] attention instead.
+    if PLAN_ATTENTION == "xla":
         cfg.train.attention = "xla"
     elif cfg.train.attention == "auto":
         # "auto" is the CPU kernel on this host; "xla" routes through jax.nn.dot_product_attention,
@@ -335,9 +343,8 @@ def compile_variant(name, f):
     fsdp_only = backend == "ragged" and mesh.shape["fsdp"] == mesh.size > 1
     moe_lib.sharded_experts = (make_bf16_gather_experts(ORIG_SHARDED_EXPERTS, "fsdp")
                                if f.gpu_kernels and use_bf16_gather(f) and fsdp_only else ORIG_SHARDED_EXPERTS)
-    from rm_jax.model import layer_stack
-    layer_stack.STACK_CODEC = (layer_stack.bf16_bit_codec() if f.gpu_kernels and use_bf16_slices(f)
-                               else layer_stack.IDENTITY_CODEC)
+    if f.bf16_slices is not None:
+        cfg.train.stack_codec = "bf16_bits" if f.bf16_slices else "none"
     same = ((dict(cfg.mesh), backend) == as_configured and rules is None and a == 4 and t == 8192 and not images
             and not f.override)
     log(f"[{name}] mesh {dict(mesh.shape)} backend {backend}; A={a} microbatch {b} x {t}; "
@@ -408,8 +415,21 @@ def use_bf16_reductions(f) -> bool:
     return f.model == "qwen3_5_35b_a3b" if f.bf16_reductions is None else bool(f.bf16_reductions)
 
 
-def use_bf16_slices(f) -> bool:
-    return f.model == "qwen3_5_35b_a3b" if f.bf16_slices is None else bool(f.bf16_slices)
+def plan_attention(f) -> tuple[str, str]:
+    """("chunked" | "xla", why): the flash stand-in only where training on the target GPU runs
+    cuDNN flash attention for the config's text attention."""
+    if f.attention != "auto":
+        return f.attention, "--attention"
+    import importlib
+
+    from rm_jax.model.layers import choose_attention
+    cfg = importlib.import_module(f"configs.{f.model}").get_config()
+    requested = dict(item.partition("=")[::2] for item in f.override).get("train.attention", cfg.train.attention)
+    text = cfg.model.get("text_config", cfg.model)
+    impl, why = choose_attention(requested, "gpu", cfg.train.dtype, int(text.head_dim),
+                                 compute_capability=f.target_sm)
+    return ("chunked" if impl == "cudnn" else "xla"), (f"train.attention={requested} on sm {f.target_sm}, head_dim "
+                                                        f"{text.head_dim}: {impl} ({why})")
 
 
 def compiled_config(cfg, f) -> dict:
@@ -420,13 +440,12 @@ def compiled_config(cfg, f) -> dict:
             "train.grad_accum": t.grad_accum, "train.global_batch": t.global_batch, "train.dtype": t.dtype,
             "train.param_dtype": t.param_dtype, "train.mu_dtype": t.mu_dtype, "train.nu_dtype": t.nu_dtype,
             "train.expert_grad_dtype": t.expert_grad_dtype, "train.expert_accum_dtype": t.expert_accum_dtype,
-            "train.remat": t.remat}
+            "train.remat": t.remat, "train.stack_codec": t.stack_codec}
     barrier = use_bf16_gather(f) and cfg.moe.backend == "ragged"
     keys["cpu_stand_ins"] = ",".join(x for x, on in (("ragged_dot", f.gpu_kernels),
                                                       ("bf16_gather", f.gpu_kernels and barrier),
-                                                      ("bf16_slices", f.gpu_kernels and use_bf16_slices(f)),
                                                       ("no_ynn_reductions", f.gpu_kernels and use_bf16_reductions(f)),
-                                                      ("flash_attention", f.attention == "chunked")) if on) or "none"
+                                                      ("flash_attention", PLAN_ATTENTION == "chunked")) if on) or "none"
     return keys
 
 
@@ -545,8 +564,8 @@ def main(argv):
 
     from rm_jax.model import moe as moe_lib
     log(f"jax {jax.__version__}; {jax.device_count()} emulated {jax.devices()[0].platform} devices; "
-        f"gpu_kernels={f.gpu_kernels} attention={f.attention}")
-    global ORIG_ATTENTION, ORIG_SHARDED_EXPERTS
+        f"gpu_kernels={f.gpu_kernels} attention={f.attention} (target sm {f.target_sm})")
+    global ORIG_ATTENTION, ORIG_SHARDED_EXPERTS, PLAN_ATTENTION
     ORIG_ATTENTION = jax.nn.dot_product_attention
     ORIG_SHARDED_EXPERTS = moe_lib.sharded_experts
     if f.gpu_kernels:
@@ -554,7 +573,9 @@ def main(argv):
         # CPU lowering is then replaced by the kernel-like stand-in.
         moe_lib.resolve_ragged_dot = lambda impl: "tokamax" if impl == "auto" else impl
         moe_lib._ragged_dot = make_ragged_dot_kernel_like(256 if f.model == "qwen3_5_35b_a3b" else 128)
-    if f.attention == "chunked":
+    PLAN_ATTENTION, why = plan_attention(f)
+    log(f"attention planned as {PLAN_ATTENTION}: {why}")
+    if PLAN_ATTENTION == "chunked":
         jax.nn.dot_product_attention = make_chunked_attention(jax.nn.dot_product_attention, f.attn_block)
 
     results, flops_cache = {}, {}
@@ -622,8 +643,8 @@ def main(argv):
                             "compile_s": round(r["compile_s"], 1), "config": r["config"],
                             "same_as_30b_config": r["same_as_30b_config"]} for n, r in results.items()},
            "peak_gib_per_device": {n: round(r["peak_gib_per_device"], 2) for n, r in results.items()},
-           "goal_gib": 80, "report_s_per_step": round(REPORT_S_PER_STEP, 2), "report_peak_gib": 87,
-           "gpu_kernels": f.gpu_kernels, "attention": f.attention, "seq": f.seq,
+           "goal_gib": 64 if f.model == "qwen3_5_35b_a3b" else 80, "report_s_per_step": round(REPORT_S_PER_STEP, 2), "report_peak_gib": 87,
+           "gpu_kernels": f.gpu_kernels, "attention": PLAN_ATTENTION, "target_sm": f.target_sm, "seq": f.seq,
            "global_batch": f.global_batch}
     print(json.dumps(out), flush=True)
 
