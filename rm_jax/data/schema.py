@@ -29,8 +29,7 @@ import math
 import os
 from typing import Any, Iterator
 
-from rm_jax.data.string_values import (MAX_ARG_DECODES, decode_repeated, is_remote_image_ref,
-                                       looks_like_image_ref, remote_image_text)
+from rm_jax.data.string_values import MAX_ARG_DECODES, decode_repeated, is_remote_image_ref, remote_image_text
 from rm_jax.data.tool_content import parse_tool_content
 
 ROLES = ("system", "user", "assistant", "tool")

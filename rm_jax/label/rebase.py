@@ -23,7 +23,7 @@ import json
 import os
 from typing import Any, Callable
 
-from rm_jax.data.schema import MAX_ARG_DECODES, is_remote_image_ref, looks_like_image_ref
+from rm_jax.data.string_values import MAX_ARG_DECODES, is_remote_image_ref, looks_like_image_ref
 
 _FILE_SCHEME = "file://"
 

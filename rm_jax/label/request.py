@@ -31,8 +31,8 @@ from typing import Any
 
 from rm_jax.data import images as images_lib
 from rm_jax.data.render import SpecialTokenGuard, judge_chat, route_of
-from rm_jax.data.schema import (ImageRef, Sample, SampleError, is_remote_image_ref, looks_like_image_ref,
-                                resolve_image)
+from rm_jax.data.schema import ImageRef, Sample, SampleError, resolve_image
+from rm_jax.data.string_values import is_remote_image_ref, looks_like_image_ref
 from rm_jax.label.contracts import IMAGE_CONTRACT, TEACHER_RENDER, VERDICT_CONTRACTS, Contract
 
 HEAD_VERDICT = "verdict"
