@@ -88,23 +88,20 @@ class ChunkBuilder:
             if outcome.too_long_length is not None:
                 self.too_long.append(outcome.too_long_length)
             return
-        ex = outcome.example
-        # Encoded here, not in the workers: they then never import JAX (flax's msgpack), so they
-        # start in a fraction of a second.
-        self._write(outcome.split, records.encode(ex, ex.pixel_values.dtype))
-        split = self.splits[outcome.split]
-        split["ids"].append(ex.id)
-        split["prompt_ids"].append(ex.prompt_id)
-        index = records.index_row(ex)
+        k = outcome.kept
+        self._write(k.split, k.record)
+        split = self.splits[k.split]
+        split["ids"].append(k.id)
+        split["prompt_ids"].append(k.prompt_id)
         for field in INDEX_ROW_FIELDS:
-            split["index"][field].append(int(index[field]))
-        self.flagged.update(ex.flags)
-        self.total_lengths.append(ex.length)
-        self.text_lengths.append(ex.length - ex.n_image_tokens)
-        self.image_tokens += ex.n_image_tokens
-        self.n_images += int(ex.image_grid_thw.shape[0])
-        self.balance[ex.route]["fail" if ex.label == 1 else "pass"] += 1
-        self.value_hits.extend([list(h) for h in outcome.value_hits])
+            split["index"][field].append(int(k.index[field]))
+        self.flagged.update(k.flags)
+        self.total_lengths.append(k.length)
+        self.text_lengths.append(k.length - k.n_image_tokens)
+        self.image_tokens += k.n_image_tokens
+        self.n_images += k.n_images
+        self.balance[k.route]["fail" if k.label == 1 else "pass"] += 1
+        self.value_hits.extend([list(h) for h in k.value_hits])
 
     def _write(self, split: str, raw: bytes) -> None:
         w = self._writers.get(split)

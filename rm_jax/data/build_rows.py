@@ -2,10 +2,12 @@
 
 The main process reads lines in order and hands batches of them to N workers, then consumes the
 results in submission order. Workers are forked where the OS can (Linux): they inherit the loaded
-renderer and start in milliseconds, where a spawned worker re-imports transformers' image stack
-(torch included, 5-20 s each on a busy 2-core host). They run only the tokenizer, PIL and numpy,
-never JAX, so the JAX runtime's threads in the parent do not matter to them (rows are encoded
-into records in the main process for the same reason). Elsewhere they are spawned. At most a few batches per worker are in flight, so memory is
+renderer and modules and start in milliseconds, where a spawned worker re-imports transformers'
+image stack (torch included, 5-20 s each on a busy 2-core host). They run the tokenizer, PIL,
+numpy and msgpack, never a JAX computation, so the JAX runtime's threads in the parent do not
+matter to them. Elsewhere they are spawned. A worker returns each row's finished record bytes
+and a few scalars, so the main process only writes (it is the serial part: see
+benchmarks/data_throughput.py's "main only" row). At most a few batches per worker are in flight, so memory is
 bounded by the worker count, not the input size. One worker renders in the calling process with
 the same code, so the outcome of a line cannot depend on the worker count.
 """
@@ -21,7 +23,7 @@ from typing import Iterator
 
 import numpy as np
 
-from rm_jax.data import value_swap
+from rm_jax.data import records, value_swap
 from rm_jax.data.render import JudgeInput, Renderer
 from rm_jax.data.schema import Reject, Sample, SampleError, parse_line
 
@@ -45,13 +47,28 @@ class RowOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class KeptRow:
+    """A rendered row as the chunk writer needs it: the record's bytes and its scalars."""
+    split: str
+    record: bytes                 # records.encode of the example (pixels in the storage dtype)
+    index: dict                   # records.index_row
+    id: str
+    prompt_id: str
+    length: int
+    n_image_tokens: int
+    n_images: int
+    route: str
+    label: int
+    flags: tuple[str, ...]
+    value_hits: tuple             # value_swap.ClassCollector.hits rows (train split only)
+
+
+@dataclasses.dataclass(frozen=True)
 class RowOutcome:
     """One non-blank input line: kept, or rejected with its reason."""
     line: int
     parsed_id: str | None          # the id when the line parsed as a Sample (duplicates key on it)
-    example: JudgeInput | None = None   # kept: pixels already in the storage dtype
-    split: str = ""
-    value_hits: tuple = ()              # value_swap.ClassCollector.hits rows (train split only)
+    kept: KeptRow | None = None
     reject: Reject | None = None
     too_long_length: int | None = None
 
@@ -85,8 +102,11 @@ class RowRenderer:
                 f"line {sample.line}, id {sample.id}: {ex.length} tokens > max_len {self.opts.max_len}"))
         split = split_of(sample.prompt_id, self.opts.heldout_fraction, self.opts.split_seed)
         hits = tuple(self.values.hits(sample, ex.input_ids, ex.response_span)) if split == "train" else ()
-        ex = dataclasses.replace(ex, pixel_values=ex.pixel_values.astype(self.pixel_dtype), flags=tuple(ex.flags))
-        return RowOutcome(line, sample.id, example=ex, split=split, value_hits=hits)
+        return RowOutcome(line, sample.id, kept=KeptRow(
+            split=split, record=records.encode(ex, self.pixel_dtype), index=records.index_row(ex), id=ex.id,
+            prompt_id=ex.prompt_id, length=ex.length, n_image_tokens=ex.n_image_tokens,
+            n_images=int(ex.image_grid_thw.shape[0]), route=ex.route, label=ex.label, flags=tuple(ex.flags),
+            value_hits=hits))
 
     def batch(self, lines: list[tuple[int, bytes]]) -> list[RowOutcome | None]:
         return [self(line, raw) for line, raw in lines]
