@@ -138,6 +138,19 @@ def test_one_liners_run():
     assert re.search(r"^train\.steps = ", described, re.M) and re.search(r"^mesh\.fsdp = ", described, re.M), described
 
 
+def test_contracts_name_every_entry_point_and_flag():
+    """docs/contracts.md is complete: every launch module, and every flag it defines."""
+    text = open(os.path.join(REPO, "docs", "contracts.md"), encoding="utf-8").read()
+    for f in sorted(os.listdir(os.path.join(REPO, "launch"))):
+        if not f.endswith(".py") or f in ("__init__.py", "common.py"):
+            continue
+        module = f"launch.{f[:-3]}"
+        assert f"python -m {module} " in text, f"docs/contracts.md does not document {module}"
+        missing = sorted(name for name in defined_flags(module) - {"help", "helpshort", "helpfull"}
+                         if f"--{name}" not in text and f"--no{name}" not in text)
+        assert not missing, f"docs/contracts.md: {module} flags {missing} are not documented"
+
+
 def test_config_keys_in_prose_exist():
     """A config key the docs name in backticks (`train.value_check_weight`, `data.max_len=640`) is a
     key of the embedded default or of the scalar RM's config."""
