@@ -34,7 +34,8 @@ flags.DEFINE_integer("max_batch", 32, "server batch = in-process batch")
 flags.DEFINE_float("max_wait_ms", 10.0, "server batching window")
 flags.DEFINE_integer("max_new_tokens", 32, "decoding budget after the verdict")
 flags.DEFINE_string("compile_cache", "", "JAX persistent compilation cache dir")
-flags.DEFINE_bool("text_only", False, "rollouts without images (a shorter shape ladder)")
+flags.DEFINE_bool("text_only", False, "rollouts without images")
+flags.DEFINE_bool("warmup", True, "compile the shape ladder before ready (--nowarmup: shapes compile during the burst)")
 
 
 def _free_port() -> int:
@@ -109,7 +110,8 @@ def main(argv):
     labels = [json.dumps({k: v for k, v in r.items() if k != "response"}) for r in raw]
     texts = [completion_text([{"role": "assistant", **r["response"]}]) for r in raw]
 
-    settings = ServeSettings(max_batch=f.max_batch, max_wait_ms=f.max_wait_ms, max_queue=f.max_queue, image_root=data)
+    settings = ServeSettings(max_batch=f.max_batch, max_wait_ms=f.max_wait_ms, max_queue=f.max_queue, image_root=data,
+                             warmup=f.warmup)
     asgi, fastapi_app = create_app(engine, settings)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=port, log_level="warning", access_log=False))
@@ -162,7 +164,7 @@ def main(argv):
                       "overload_gates": overload_gates, "rewards_differing_from_inprocess": differ, "refused_503": int(refused),
                       "client_retries": got["retries"], "requests": got["requests"],
                       "time_to_ready_s": round(ready_s, 1), "ladder_compiles": ladder_compiles,
-                      "burst_compiles": burst_compiles, "saw_starting": saw_starting}))
+                      "burst_compiles": burst_compiles, "saw_starting": saw_starting, "warmup": f.warmup}))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ counted in ``stats``). ``last_records`` holds the full records of the last call.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -46,8 +47,8 @@ class JudgeReward:
     def __init__(self, url: str | None = None, *, sample_column: str = "sample", api_key: str | None = None,
                  settings: ClientSettings | None = None):
         settings = settings if settings is not None else ClientSettings()
-        self.client = SyncRewardClient(ClientSettings(**{**settings.__dict__, "url": url or settings.url,
-                                                         "api_key": api_key or settings.api_key}))
+        self.client = SyncRewardClient(dataclasses.replace(settings, url=url or settings.url,
+                                                           api_key=api_key or settings.api_key))
         self.sample_column = sample_column
         self.__name__ = "rm_jax_judge"          # TRL names the logged reward after the function
         self.last_records = []
