@@ -33,6 +33,11 @@ default on; both are printed so the substitution is visible):
   35B only, so the 30B table's plan is unchanged) gathers the bits as uint16, as NCCL moves bf16
   (``make_bf16_gather_experts``).
 
+``--attention_call`` compiles only one text-attention call (fwd + bwd under remat, per-device
+shapes of the planned microbatch: one 8,192-token sequence on fsdp=8) with XLA's attention and with
+the flash-like stand-in, and prints both temps: what the stand-in is worth, in seconds rather than
+the minutes of a whole-step compile.
+
 ``--override=train.expert_grad_dtype=,train.vocab_chunk=8192`` compiles the config with those
 keys changed (the compiled-config line then says it differs from the file).
 
@@ -69,6 +74,7 @@ flags.DEFINE_enum("attention", "auto", ["auto", "chunked", "xla"],
                   "attention lowering: auto = the flash stand-in iff training on --target_sm runs cuDNN flash "
                   "(see module doc)")
 flags.DEFINE_string("target_sm", "9.0", "compute capability of the GPUs planned for (9.0: H100/H200)")
+flags.DEFINE_bool("attention_call", False, "only compile one text-attention call, XLA vs the flash-like stand-in")
 flags.DEFINE_integer("attn_block", 512, "query block of the chunked attention")
 flags.DEFINE_bool("check_init_sharding", True, "also compile the optimizer init as StepBuilder.init_state places it")
 flags.DEFINE_bool("flops", True, "per-layer compiles to correct the scan-undercounted FLOPs")
@@ -226,6 +232,36 @@ def make_chunked_attention(orig, block: int):
         _, out = jax.lax.scan(body, None, (q_nbqkgh, mask, jnp.arange(nb)))
         return out.transpose(1, 0, 2, 3, 4, 5).reshape(b, t, n, h)
     return attention
+
+
+def attention_call_temps(f) -> dict:
+    """Temp GiB of one causal text-attention call with key lengths (fwd + bwd, rematerialized) at
+    the per-device shapes of the planned microbatch, XLA's attention vs the flash-like stand-in."""
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+    text = importlib.import_module(f"configs.{f.model}").get_config().model
+    text = text.get("text_config", text)
+    b = max(1, f.global_batch // f.grad_accum // 8)          # sequences per device on fsdp=8
+    n, k, h = int(text.num_attention_heads), int(text.num_key_value_heads), int(text.head_dim)
+    sds = jax.ShapeDtypeStruct
+    args = (sds((b, f.seq, n, h), jnp.bfloat16), sds((b, f.seq, k, h), jnp.bfloat16),
+            sds((b, f.seq, k, h), jnp.bfloat16), sds((b,), jnp.int32))
+    temps = {}
+    for name, attn in (("xla", ORIG_ATTENTION), ("flash_stand_in", make_chunked_attention(ORIG_ATTENTION,
+                                                                                          f.attn_block))):
+        def loss(q, kk, v, lens, attn=attn):
+            out = jax.checkpoint(lambda q, kk, v: attn(q, kk, v, is_causal=True, key_value_seq_lengths=lens,
+                                                       scale=h ** -0.5, implementation=None))(q, kk, v)
+            return jnp.sum(out.astype(jnp.float32))
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+        temps[name] = compiled.memory_analysis().temp_size_in_bytes / GIB
+    log(f"one text-attention call, [{b}, {f.seq}] x {n} heads ({k} KV) x head_dim {h}, bf16, fwd+bwd: "
+        f"XLA temp {temps['xla']:.2f} GiB, flash-like stand-in {temps['flash_stand_in']:.2f} GiB "
+        f"(the stand-in saves {temps['xla'] - temps['flash_stand_in']:.2f} GiB while that call is live)")
+    return {"bench": "memory_plan", "attention_call": True, "model": f.model, "seq": f.seq,
+            "shape_btnkh": [b, f.seq, n, k, h], "temp_gib": {k: round(v, 2) for k, v in temps.items()}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,6 +609,9 @@ def main(argv):
         # CPU lowering is then replaced by the kernel-like stand-in.
         moe_lib.resolve_ragged_dot = lambda impl: "tokamax" if impl == "auto" else impl
         moe_lib._ragged_dot = make_ragged_dot_kernel_like(256 if f.model == "qwen3_5_35b_a3b" else 128)
+    if f.attention_call:
+        print(json.dumps(attention_call_temps(f)), flush=True)
+        return
     PLAN_ATTENTION, why = plan_attention(f)
     log(f"attention planned as {PLAN_ATTENTION}: {why}")
     if PLAN_ATTENTION == "chunked":
