@@ -29,6 +29,7 @@ On a host without a GPU it says so and exits 0 (``tests/test_gpu_check.py``).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -385,7 +386,10 @@ SMOKE = {"stack_codec": lambda: check_stack_codec(layers=3, width=64, batch=32),
 
 def main() -> int:
     import jax
-    smoke = "--smoke" in sys.argv[1:]
+    ap = argparse.ArgumentParser(description="GPU paths check (see the module doc)")
+    ap.add_argument("--smoke", action="store_true", help="only the checks that need no GPU (stack_codec, "
+                    "attention_choice), with reduced shapes: runs on any host")
+    smoke = ap.parse_args().smoke
     backend = jax.default_backend()
     if backend != "gpu" and not smoke:
         log(f"gpu_check needs a GPU (jax {jax.__version__} found only the '{backend}' platform): nothing checked "
