@@ -20,10 +20,22 @@ into sharded arrays); with none, everything lives on the default device.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 
+import jax
+import orbax.checkpoint as ocp
 from absl import app, flags, logging
+from flax import nnx
+
+from rm_jax.model.config import RuntimeOptions
+from rm_jax.model.convert import load_hf, save_hf
+from rm_jax.model.placement import param_shardings
+from rm_jax.model.registry import abstract_model, config_from_hf_dict
+from rm_jax.score.checkpoints import load_judge, run_data_dir
+from rm_jax.sharding import MeshShape, make_mesh
 
 flags.DEFINE_string("hf_dir", None, "transformers checkpoint dir (input, or output with --to_hf and no --ckpt)")
 flags.DEFINE_string("out", None, "output dir (Orbax checkpoint; HF dir with --to_hf --ckpt)")
@@ -40,17 +52,12 @@ flags.DEFINE_integer("mesh_tensor", 1, "mesh tensor axis")
 
 
 def _mesh():
-    import jax
-    from rm_jax.sharding import MeshShape, make_mesh
     shape = MeshShape(flags.FLAGS.mesh_data, flags.FLAGS.mesh_fsdp, flags.FLAGS.mesh_expert, flags.FLAGS.mesh_tensor)
     # A mesh smaller than the host uses its first devices; size 1 means no mesh at all.
     return make_mesh(shape, devices=jax.devices()[:shape.size]) if shape.size > 1 else None
 
 
 def hf_to_orbax(hf_dir, out, *, dtype="float32", expert_layout=None, mesh=None) -> Path:
-    import orbax.checkpoint as ocp
-    from flax import nnx
-    from rm_jax.model.convert import load_hf
     model, cfg = load_hf(hf_dir, dtype=dtype, mesh=mesh, expert_layout=expert_layout)
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
@@ -65,13 +72,6 @@ def hf_to_orbax(hf_dir, out, *, dtype="float32", expert_layout=None, mesh=None) 
 
 def orbax_to_model(ckpt, *, mesh=None):
     """Rebuild the NNX model from an Orbax checkpoint written by ``hf_to_orbax``."""
-    import dataclasses
-    import jax
-    import orbax.checkpoint as ocp
-    from flax import nnx
-    from rm_jax.model.config import RuntimeOptions
-    from rm_jax.model.placement import param_shardings
-    from rm_jax.model.registry import abstract_model, config_from_hf_dict
     ckpt = Path(ckpt).absolute()
     meta = json.loads((ckpt / "rm_jax.json").read_text())
     runtime = RuntimeOptions(dtype=meta["dtype"], param_dtype=meta["dtype"])
@@ -107,8 +107,6 @@ def _training_run(ckpt: Path, step: int | None) -> tuple[Path, int | None] | Non
 
 def _copy_tokenizer(workdir: Path, out: Path) -> None:
     """The run's tokenizer + image processor files next to the exported weights."""
-    import shutil
-    from rm_jax.score.checkpoints import run_data_dir
     data_manifest = Path(run_data_dir(str(workdir))) / "manifest.json"
     tok_dir = Path(json.loads(data_manifest.read_text()).get("tokenizer_dir", "")) if data_manifest.is_file() else None
     if tok_dir is None or not tok_dir.is_dir():
@@ -121,11 +119,9 @@ def _copy_tokenizer(workdir: Path, out: Path) -> None:
 
 
 def orbax_to_hf(ckpt, out, *, dtype=None, expert_layout=None, step: int | None = None) -> Path:
-    from rm_jax.model.convert import save_hf
     ckpt = Path(ckpt).absolute()
     run = _training_run(ckpt, step)
     if run is not None:
-        from rm_jax.score.checkpoints import load_judge
         model, _, used = load_judge(str(run[0]), run[1])
         path = save_hf(model, out, dtype=dtype, expert_layout=expert_layout)
         _copy_tokenizer(run[0], path)
