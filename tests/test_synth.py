@@ -363,7 +363,7 @@ def test_image_processor(dataset):
     from PIL import Image
     out = dataset[0]
     proc = transformers.AutoImageProcessor.from_pretrained(os.path.join(out, "tokenizer"))
-    img_cfg = tiny.data_config().image
+    img_cfg = tiny.get_config().data.image
     assert proc.patch_size == 8 and proc.merge_size == 2 and proc.temporal_patch_size == 2
     assert proc.size["longest_edge"] == img_cfg.max_pixels and proc.size["shortest_edge"] == img_cfg.min_pixels
     ref = _reference_images(out)[0]
