@@ -53,7 +53,7 @@ class ModelSection:
 
     @property
     def model_type(self) -> str:
-        return str(self.hf.get("model_type", ""))
+        return str(self.hf["model_type"])       # parse refuses a model section without one
 
     def to_dict(self) -> dict:
         return plain_dict(self.hf)
