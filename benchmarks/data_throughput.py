@@ -5,8 +5,9 @@
 Build: each worker count builds the same input into its own folder (wall time from the call to
 the merged reports, worker start included); the outputs are compared byte for byte. The
 projection to a bigger host takes the 1-worker rate per core times the measured parallel
-efficiency of the largest worker count, capped by what the main process alone can feed (reading
-lines, unpickling results, writing shards: measured here on the same rows without rendering).
+efficiency of the largest worker count, capped by the main process's serial share (one read of
+the input for the chunks' offsets: workers read, render and write whole chunks). The builds use
+the config's chunk size (data.shard_max_examples lines), so --n should give each worker a chunk.
 Loader: decodes msgpack records and pads (goal >= 1,000 samples/s on one core: all tokenization
 happened at build time). The machine may be shared: the load average is printed with the rows.
 Last line: JSON.
@@ -18,7 +19,6 @@ import argparse
 import hashlib
 import json
 import os
-import pickle
 import sys
 import tempfile
 import time
@@ -26,9 +26,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from launch.common import DEFAULT_CONFIG, load_config  # noqa: E402
-from rm_jax.data import build, build_chunks, build_rows, loader, synth  # noqa: E402
+from rm_jax.data import build, build_chunks, loader, synth  # noqa: E402
 from rm_jax.data.render import Renderer  # noqa: E402
-from rm_jax.data.schema import iter_jsonl  # noqa: E402
 
 
 def tree_sha(root: str) -> str:
@@ -42,20 +41,12 @@ def tree_sha(root: str) -> str:
     return h.hexdigest()
 
 
-def main_process_rate(input_path: str, renderer: Renderer, opts: build.BuildOptions, out_dir: str) -> float:
-    """Rows/s the main process sustains with rendering done elsewhere: read a line, pickle it (to
-    a worker), unpickle its outcome, write it into the chunk's shards."""
-    row_opts = build_rows.RowOptions(opts.max_len, opts.heldout_fraction, opts.split_seed, opts.pixel_dtype)
-    rows = build_rows.RowRenderer(renderer, row_opts, os.path.dirname(os.path.abspath(input_path)))
-    outcomes = [pickle.dumps(rows(line, raw)) for line, raw in iter_jsonl(input_path)]
-    os.makedirs(out_dir)
+def main_process_rate(input_path: str, opts: build.BuildOptions) -> float:
+    """Rows/s of the main process's serial share: one read of the input for each chunk's offset
+    (workers read, render and write their chunks themselves)."""
     t0 = time.perf_counter()
-    chunk = build_chunks.ChunkBuilder(out_dir, 0, opts.shard_max_bytes, len(outcomes) + 1, "main-only")
-    for (_, raw), blob in zip(iter_jsonl(input_path), outcomes):
-        pickle.dumps(raw)
-        chunk.add(pickle.loads(blob))
-    chunk.finish()
-    return len(outcomes) / (time.perf_counter() - t0)
+    _, n_lines = build_chunks.chunk_offsets(input_path, opts.chunk_lines)
+    return n_lines / (time.perf_counter() - t0)
 
 
 def main():
@@ -86,7 +77,7 @@ def main():
             seconds = time.perf_counter() - t0
             builds[n_workers] = {"seconds": seconds, "rows": res.stats["read"], "rate": res.stats["read"] / seconds,
                                  "sha256": tree_sha(out)}
-        main_rate = main_process_rate(input_path, renderer, opts, os.path.join(tmp, "main_only"))
+        main_rate = main_process_rate(input_path, opts)
 
         shards = os.path.join(tmp, f"shards_w{worker_counts[0]}")
         ds = loader.make_dataset(shards, "train", loader.LoaderConfig(batch_size=args.batch,
@@ -114,7 +105,7 @@ def main():
     for w, b in builds.items():
         print(f"{'build ' + str(w) + ' worker(s)':<16} {b['rows']:>7} {b['seconds']:>8.2f} {b['rate']:>8.1f} "
               f"{b['rate'] / base['rate']:>5.2f}x")
-    print(f"{'build main only':<16} {base['rows']:>7} {'':>8} {main_rate:>8.1f}   (read + IPC + write, no rendering)")
+    print(f"{'build main only':<16} {base['rows']:>7} {'':>8} {main_rate:>8.1f}   (the serial share: chunk offsets)")
     print(f"{'loader':<16} {n:>7} {load_s:>8.2f} {load_rate:>8.1f}   (goal >= 1000/s on one core)")
     print(f"outputs byte-identical across worker counts: {identical}")
     print(f"{top} workers: {speedup:.2f}x (goal >= 1.8x on 2 cores), parallel efficiency {efficiency:.2f}")

@@ -1,4 +1,4 @@
-"""Build's unit of work: a chunk of input lines, rendered in worker processes, written in order.
+"""Build's unit of work: a chunk of input lines, read, rendered and written in order by one process.
 
 The input is cut by physical line number into chunks of ``chunk_lines`` lines (chunk ``c`` holds
 lines ``c * chunk_lines + 1 ...``). Everything a chunk writes depends on its own lines only:
@@ -7,8 +7,11 @@ lines ``c * chunk_lines + 1 ...``). Everything a chunk writes depends on its own
 * its part, ``parts/chunk-{chunk:05d}.json``: what the merge needs (rejects, index rows, lengths,
   label balance, value-class hits, the ids it parsed) and the build's fingerprint.
 
-So the output cannot depend on how many processes rendered a chunk (`build_rows`) or which host
-built it.
+So the output cannot depend on how many worker processes built chunks side by side, or which
+host built which. The main process only finds each chunk's byte offset (one sequential read) and
+hands chunks to N workers: nothing per row crosses a process boundary, so N workers run N times
+as fast while there are at least N chunks (an input shorter than N chunks leaves workers idle:
+lower ``data.shard_max_examples`` for it).
 
 Duplicate ids are rejected in input order, as one reader would: within a chunk here, across chunks
 by the merge, which rebuilds a chunk with the ids that earlier chunks already took.
@@ -17,8 +20,10 @@ by the merge, which rebuilds a chunk with the ids that earlier chunks already to
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import json
+import multiprocessing
 import os
 from typing import Callable, Iterator
 
@@ -27,9 +32,9 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from tqdm import tqdm
 
 from rm_jax.data import records
-from rm_jax.data.build_rows import RowOptions, RowOutcome, render_in_order
+from rm_jax.data.build_rows import RowOptions, RowOutcome, RowRenderer
 from rm_jax.data.render import ROUTE_TEXT_ONLY, ROUTE_TOOL_CALL, Renderer
-from rm_jax.data.schema import Reject, iter_jsonl
+from rm_jax.data.schema import Reject
 
 PARTS_DIR = "parts"
 
@@ -174,36 +179,97 @@ class ChunkPart:
         return part if part.fingerprint == fingerprint else None
 
 
+def chunk_offsets(input_path: str, chunk_lines: int) -> tuple[list[int], int]:
+    """Byte offset of each chunk's first line, and the input's line count (one sequential read)."""
+    offsets, pos, n_lines = [], 0, 0
+    with open(input_path, "rb") as f:
+        for raw in f:
+            if n_lines % chunk_lines == 0:
+                offsets.append(pos)
+            pos += len(raw)
+            n_lines += 1
+    return offsets, n_lines
+
+
+def read_chunk(input_path: str, offset: int, first_line: int, count: int) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line) of ``count`` lines from ``offset``, as ``schema.iter_jsonl`` gives them."""
+    with open(input_path, "rb") as f:
+        f.seek(offset)
+        for line, raw in enumerate(f, start=first_line):
+            if line >= first_line + count:
+                return
+            yield line, (raw[3:] if line == 1 and raw.startswith(UTF8_BOM) else raw)
+
+
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkJob:
+    """Everything a worker needs to build one chunk (picklable)."""
+    input_path: str
+    out_dir: str
+    chunk: int
+    offset: int
+    chunk_lines: int
+    shard_max_bytes: int
+    fingerprint: str
+    prior_ids: frozenset[str]
+
+
+def build_chunk(rows: RowRenderer, job: ChunkJob) -> int:
+    """Renders and writes one chunk; returns its line count read."""
+    builder = ChunkBuilder(job.out_dir, job.chunk, job.shard_max_bytes, job.chunk_lines, job.fingerprint,
+                           job.prior_ids)
+    n = 0
+    for line, raw in read_chunk(job.input_path, job.offset, job.chunk * job.chunk_lines + 1, job.chunk_lines):
+        builder.add(rows(line, raw))
+        n += 1
+    builder.finish()
+    return n
+
+
+_WORKER: RowRenderer | None = None
+
+
+def _init_worker(renderer: Renderer, opts: RowOptions, base_dir: str) -> None:
+    global _WORKER
+    _WORKER = RowRenderer(renderer, opts, base_dir)
+
+
+def _build_in_worker(job: ChunkJob) -> int:
+    return build_chunk(_WORKER, job)
+
+
 def build_chunks(input_path: str, out_dir: str, renderer: Renderer, row_opts: RowOptions, *, chunk_lines: int,
                  shard_max_bytes: int, fingerprint: str, wanted: Callable[[int], bool], num_workers: int,
                  prior_ids: dict[int, frozenset[str]] | None = None, progress: bool = False) -> tuple[list[int], int]:
-    """Builds every chunk `wanted(c)` selects. Returns (chunks built, the input's line count)."""
+    """Builds every chunk `wanted(c)` selects, `num_workers` chunks at a time (1: in this
+    process). Returns (chunks built, the input's line count)."""
     prior_ids = prior_ids or {}
-    n_lines = 0
-
-    def mine() -> Iterator[tuple[int, bytes]]:
-        nonlocal n_lines
-        for line, raw in iter_jsonl(input_path):
-            n_lines = line
-            if wanted((line - 1) // chunk_lines):
-                yield line, raw
-
+    offsets, n_lines = chunk_offsets(input_path, chunk_lines)
+    jobs = [ChunkJob(input_path, out_dir, c, off, chunk_lines, shard_max_bytes, fingerprint,
+                     prior_ids.get(c, frozenset())) for c, off in enumerate(offsets) if wanted(c)]
     base_dir = os.path.dirname(os.path.abspath(input_path))
-    built: list[int] = []
-    current: ChunkBuilder | None = None
-    bar = tqdm(desc="build", unit="line", disable=not progress, mininterval=2.0)
-    for line, outcome in render_in_order(mine(), renderer, row_opts, base_dir, num_workers):
-        chunk = (line - 1) // chunk_lines
-        if current is None or current.chunk != chunk:
-            if current is not None:
-                current.finish()
-            current = ChunkBuilder(out_dir, chunk, shard_max_bytes, chunk_lines, fingerprint,
-                                   prior_ids.get(chunk, frozenset()))
-            built.append(chunk)
-        current.add(outcome)
-        bar.update(1)
-    if current is not None:
-        current.finish()
+    bar = tqdm(total=len(jobs) * chunk_lines, desc="build", unit="line", disable=not progress, mininterval=2.0)
+    if num_workers <= 1 or len(jobs) <= 1:
+        rows = RowRenderer(renderer, row_opts, base_dir)
+        for job in jobs:
+            bar.update(build_chunk(rows, job))
+    else:
+        # Forked where the OS can: workers inherit the loaded renderer and modules and start in
+        # milliseconds (a spawned one re-imports transformers' image stack, torch included). They
+        # run the tokenizer, PIL, numpy and msgpack, never a JAX computation, so the JAX runtime's
+        # threads in this process do not matter to them.
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        with concurrent.futures.ProcessPoolExecutor(min(num_workers, len(jobs)),
+                                                    mp_context=multiprocessing.get_context(method),
+                                                    initializer=_init_worker,
+                                                    initargs=(renderer, row_opts, base_dir)) as pool:
+            for n in pool.map(_build_in_worker, jobs):
+                bar.update(n)
     bar.close()
-    logging.info("built chunks %s of %s (%d lines)", built[:8], input_path, n_lines)
+    built = [job.chunk for job in jobs]
+    logging.info("built chunks %s%s of %s (%d lines)", built[:8], " ..." if len(built) > 8 else "", input_path,
+                 n_lines)
     return built, n_lines

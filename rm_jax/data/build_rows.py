@@ -1,35 +1,19 @@
-"""Rendering input lines in N worker processes, results in input order.
+"""One input line -> its outcome: rejected with a reason, or a finished record and its scalars.
 
-The main process reads lines in order and hands batches of them to N workers, then consumes the
-results in submission order. Workers are forked where the OS can (Linux): they inherit the loaded
-renderer and modules and start in milliseconds, where a spawned worker re-imports transformers'
-image stack (torch included, 5-20 s each on a busy 2-core host). They run the tokenizer, PIL,
-numpy and msgpack, never a JAX computation, so the JAX runtime's threads in the parent do not
-matter to them. Elsewhere they are spawned. A worker returns each row's finished record bytes
-and a few scalars, so the main process only writes (it is the serial part: see
-benchmarks/data_throughput.py's "main only" row). At most a few batches per worker are in flight, so memory is
-bounded by the worker count, not the input size. One worker renders in the calling process with
-the same code, so the outcome of a line cannot depend on the worker count.
+The same ``RowRenderer`` runs in the building process and in each worker (`build_chunks`), so a
+line's outcome cannot depend on the worker count.
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import hashlib
-import multiprocessing
-from typing import Iterator
 
 import numpy as np
 
 from rm_jax.data import records, value_swap
 from rm_jax.data.render import JudgeInput, Renderer
 from rm_jax.data.schema import Reject, Sample, SampleError, parse_line
-
-BATCH_LINES = 16          # lines per task sent to a worker (amortizes the pickling round trip)
-IN_FLIGHT_PER_WORKER = 4  # tasks queued per worker: keeps workers busy, bounds memory
-
 
 def split_of(prompt_id: str, heldout_fraction: float, seed: int) -> str:
     h = hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()
@@ -107,54 +91,3 @@ class RowRenderer:
             prompt_id=ex.prompt_id, length=ex.length, n_image_tokens=ex.n_image_tokens,
             n_images=int(ex.image_grid_thw.shape[0]), route=ex.route, label=ex.label, flags=tuple(ex.flags),
             value_hits=hits))
-
-    def batch(self, lines: list[tuple[int, bytes]]) -> list[RowOutcome | None]:
-        return [self(line, raw) for line, raw in lines]
-
-
-_WORKER: RowRenderer | None = None
-
-
-def _init_worker(renderer: Renderer, opts: RowOptions, base_dir: str) -> None:
-    global _WORKER
-    _WORKER = RowRenderer(renderer, opts, base_dir)
-
-
-def _render_batch(lines: list[tuple[int, bytes]]) -> list[RowOutcome | None]:
-    return _WORKER.batch(lines)
-
-
-def render_in_order(lines: Iterator[tuple[int, bytes]], renderer: Renderer, opts: RowOptions, base_dir: str,
-                    num_workers: int) -> Iterator[tuple[int, RowOutcome | None]]:
-    """(line, outcome) for every line, in input order, rendered by `num_workers` processes
-    (1: in this process)."""
-    if num_workers <= 1:
-        rows = RowRenderer(renderer, opts, base_dir)
-        for line, raw in lines:
-            yield line, rows(line, raw)
-        return
-    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    with concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_init_worker,
-                                                initargs=(renderer, opts, base_dir)) as pool:
-        pending: collections.deque = collections.deque()
-        batch: list[tuple[int, bytes]] = []
-
-        def submit(b):
-            pending.append(([line for line, _ in b], pool.submit(_render_batch, b)))
-
-        def drain(keep: int):
-            while len(pending) > keep:
-                line_nos, fut = pending.popleft()
-                yield from zip(line_nos, fut.result())
-
-        for item in lines:
-            batch.append(item)
-            if len(batch) == BATCH_LINES:
-                submit(batch)
-                batch = []
-                yield from drain(IN_FLIGHT_PER_WORKER * num_workers)
-        if batch:
-            submit(batch)
-        yield from drain(0)
-
-
