@@ -7,7 +7,9 @@ Writes DIR/{train,heldout}-*.array_record, {train,heldout}_index.npz, stats.json
 manifest.json (and DIR/parts/, one summary per chunk of input lines) and prints the stats report.
 Exits 0 when at least one row is valid.
 
---num_workers=N renders and tokenizes in N processes (the input is still read in order).
+--num_workers=N builds N chunks of input lines side by side, each read in order, rendered,
+tokenized and written by one worker process (an input shorter than N chunks of
+data.shard_max_examples lines leaves workers idle).
 --shard_index=i --num_shards=k builds host i's slice into DIR, a folder every host shares; the
 slice that finishes last merges (writes the indexes, stats, rejects and manifest over all
 slices). `--merge` runs that merge alone, e.g. after a host was restarted. The output is
@@ -30,7 +32,7 @@ _INPUT = flags.DEFINE_string("input", None, "samples JSONL (one sample per line)
 _OUT = flags.DEFINE_string("out", None, "output directory for shards and reports (shared by all slices)",
                            required=True)
 _TOKENIZER = flags.DEFINE_string("tokenizer", "", "tokenizer dir (default: <input folder>/tokenizer)")
-_NUM_WORKERS = flags.DEFINE_integer("num_workers", 1, "processes that render and tokenize (1: in this process)",
+_NUM_WORKERS = flags.DEFINE_integer("num_workers", 1, "processes that build chunks side by side (1: in this process)",
                                     lower_bound=1)
 _SHARD_INDEX = flags.DEFINE_integer("shard_index", 0, "this host's slice, in [0, num_shards)", lower_bound=0)
 _NUM_SHARDS = flags.DEFINE_integer("num_shards", 1, "hosts building the same input into the same --out",

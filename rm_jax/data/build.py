@@ -8,11 +8,12 @@ Splits are by ``prompt_id`` (a stable hash, so adding rows never moves a prompt 
 split); the held-out split is never duplicated. Failures are oversampled in the training
 *stream* by the loader, from the factor recorded here, so the shards hold each example once.
 
-Scale: the input is cut into chunks of ``shard_max_examples`` lines (`build_chunks`), rendered by
-``num_workers`` processes; with ``num_shards=k`` host ``i`` builds chunks ``c % k == i`` into the
-same (shared) folder, and one merge writes the indexes, stats, rejects and manifest over all
-chunks. The output bytes depend on the input and options only, never on N or k.
+Scale: the input is cut into chunks of ``shard_max_examples`` lines (`build_chunks`), built side
+by side by ``num_workers`` processes; with ``num_shards=k`` host ``i`` builds chunks
+``c % k == i`` into the same (shared) folder, and one merge writes the indexes, stats, rejects and
+manifest over all chunks. The output bytes depend on the input and options only, never on N or k.
 """
+
 from __future__ import annotations
 
 import collections
