@@ -6,8 +6,9 @@ iterator state) continues value for value.
 Why a tolerance for 2 == 1 (and none for the resume): the two layouts compile the same program for
 the same 8-device mesh on the same global microbatches (the loader's slices, tests/test_rm_data.py),
 but cross-process all-reduces run over gloo, whose summation order differs from the in-process CPU
-collectives (the judge's test measures 1 fp32 ulp after 6 steps). rtol 1e-6 holds that and would
-catch a group, a pair index or an image on the wrong process (those move the loss at 1e-2).
+collectives. Measured over 4 steps: at most 5.3e-6 relative (2 steps: bit-identical); rtol 1e-5
+(atol 1e-7 for the metrics that sit near 0) holds that and would catch a group, a pair index or
+an image on the wrong process (those move the loss at 1e-2).
 """
 
 import json
@@ -23,6 +24,7 @@ from rm_jax.train.metrics_log import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = {"pairs_per_s", "non_pad_tokens_per_s"}
+RTOL, ATOL = 1e-5, 1e-7
 # 4 steps of 2 prompt groups (8 candidates, 12 pair slots), a checkpoint at 2 and 4, a 2-layer model.
 RUN = ["--config.rm.steps=4", "--config.rm.checkpoint_every=2", "--config.rm.log_every=1",
        "--config.train.tensorboard=False", "--config.train.warmup_steps=1",
@@ -99,16 +101,19 @@ def test_rm_two_processes_equal_one_and_resume(pair_dir, tmp_path):
         assert f"as process {pid} of 2 (8 devices in all)" in open(tmp_path / f"two.{pid}.log").read()
     got = _strip(read_metrics(str(two)))
     assert [r["step"] for r in got] == [1, 2, 3, 4]
-    worst = 0.0
+    worst, worst_at = 0.0, None
     for g, w in zip(got, reference):
         assert g.keys() == w.keys()
         for k in w:
-            if isinstance(w[k], float) and w[k] != 0:
-                worst = max(worst, abs(g[k] - w[k]) / abs(w[k]))
+            if isinstance(w[k], float):
+                # atol: center_loss (~1e-6) and margin (a difference of near-equal rewards) sit near 0
+                excess = abs(g[k] - w[k]) / (RTOL * abs(w[k]) + ATOL)
+                if excess > worst:
+                    worst, worst_at = excess, (g["step"], k, g[k], w[k])
             else:
                 assert g[k] == w[k], (g["step"], k, g[k], w[k])
-    print(json.dumps({"rm_two_vs_one_max_rel_diff": worst}))
-    assert worst <= 1e-6, worst
+    print(json.dumps({"rm_two_vs_one_worst": worst_at, "over_tolerance": worst}))
+    assert worst <= 1.0, worst_at
     manifest = json.load(open(two / "manifest.json"))
     assert manifest["devices"] == {"count": 8, "process_count": 2}
     # the saved data item holds both processes' Grain iterator states
