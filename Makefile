@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2
 
 test-slow: $(STAMP) rl-frameworks
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -n 2 -m slow
 
 # verl and OpenRLHF's reward-client code (tests/test_serve_frameworks.py), without their GPU stacks.
 rl-frameworks: $(STAMP)
