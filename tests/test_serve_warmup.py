@@ -12,8 +12,6 @@ from serve_fixtures import small_scorer
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known gap: after the 66-shape p_pass ladder (73 compiles), this mixed "
-                   "traffic still compiled 2 shapes the ladder does not name yet; remove when the ladder covers them")
 def test_after_the_ladder_real_requests_compile_nothing(tiny_cfg, renderer, synth_dir):
     scorer = small_scorer(tiny_cfg, renderer, batch_size=4)
     shapes = shape_ladder(scorer, modes=(ScoreMode.P_PASS,))

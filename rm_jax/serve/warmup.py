@@ -138,11 +138,14 @@ def _row(scorer: Scorer, index: int, length: int, images: int) -> ScoreItem:
         for _ in range(images):
             ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * _image_tokens(scorer) + [scorer.pad_id]
             grids.append((1, merge, ppi // merge))
-            pixels.append(np.zeros((ppi, cfg.vision.patch_dim), np.float32))
+            # The renderer's storage dtype: pixel values are a jit argument, so float32 here would
+            # compile a twin of every image shape that float16 traffic then compiles again.
+            pixels.append(np.zeros((ppi, cfg.vision.patch_dim), scorer.renderer.image_pre.storage_dtype))
     ids += [scorer.pad_id] * (length - len(ids))
     rendered = JudgeInput(
         id=f"warmup-{index}", prompt_id="", input_ids=np.asarray(ids, np.int32), target_mask=np.zeros(length, np.uint8),
-        verdict_pos=-1, pixel_values=np.concatenate(pixels) if pixels else np.zeros((0, cfg.vision.patch_dim), np.float32),
+        verdict_pos=-1, pixel_values=np.concatenate(pixels) if pixels else np.zeros(
+            (0, cfg.vision.patch_dim), scorer.renderer.image_pre.storage_dtype),
         image_grid_thw=np.asarray(grids, np.int32).reshape(-1, 3), route="tool_call", label=-1, has_image=bool(images),
         n_image_tokens=images * _image_tokens(scorer) if images else 0)
     return ScoreItem(index=index, rendered=rendered, ids=rendered.input_ids)
