@@ -32,7 +32,7 @@ def main(argv):
     del argv
     refuse_multi_process("score", _CLUSTER())
     quiet_library_info()
-    from rm_jax.eval.calibration import load_calibration
+    from rm_jax.score.calibration_files import load_calibration
     from rm_jax.score.run import score_file
 
     summary = score_file(_WORKDIR.value, _INPUT.value, _OUT.value, step=_STEP.value, tokenizer=_TOKENIZER.value,

@@ -86,7 +86,7 @@ def main(argv):
     import uvicorn
 
     from rm_jax.serve.app import ServeSettings, create_app
-    from rm_jax.eval.calibration import load_calibration
+    from rm_jax.score.calibration_files import load_calibration
     from rm_jax.serve.engine import Engine
     from rm_jax.serve.toolcalls import CallFormat
 

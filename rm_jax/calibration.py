@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
-import os
 
 import numpy as np
 from scipy import optimize
 
 EPS = 1e-12
 METHODS = ("none", "prior", "temperature")
-CALIBRATION_FILE = "calibration.json"
 
 
 def calibration_metrics(p, y, n_bins: int = 15) -> dict:
@@ -139,66 +136,12 @@ class Calibration:
 IDENTITY = Calibration()
 
 
-def label_shares(data_dir: str, oversample_fail: int) -> dict:
-    """Fail shares of a run's training stream (each failure ``oversample_fail`` times) and of its
-    held-out split, from the build's split indexes."""
-    from rm_jax.data import records
-    train = records.load_index(data_dir, "train")["label"]
-    held = records.load_index(data_dir, "heldout")["label"]
-    n_fail, n_pass = int((train == 1).sum()), int((train == 0).sum())
-    k = max(1, int(oversample_fail))
-    if not len(held) or n_fail + n_pass == 0:
-        raise ValueError(f"{data_dir}: the prior calibration needs a non-empty train and held-out split")
-    return {"oversample_fail": k, "train_stream_fail_share": n_fail * k / (n_pass + n_fail * k),
-            "heldout_fail_share": float((held == 1).mean())}
-
-
 def prior_shift(shares: dict) -> float:
     """The pass-logit shift that swaps the training stream's prior for the held-out one."""
     t, h = shares["train_stream_fail_share"], shares["heldout_fail_share"]
     if not (0 < t < 1 and 0 < h < 1):
         raise ValueError(f"the prior calibration needs fail shares strictly between 0 and 1, got {shares}")
     return _logit(t) - _logit(h)
-
-
-def run_label_shares(workdir: str) -> dict:
-    """``label_shares`` of a training workdir, from what its manifest records (the run config's
-    ``data.oversample_fail`` and its data directory)."""
-    from rm_jax.score.checkpoints import read_run_config, run_data_dir
-    cfg = read_run_config(workdir)
-    return label_shares(run_data_dir(workdir), int(cfg.data.oversample_fail))
-
-
-def calibration_path(workdir: str) -> str:
-    return os.path.join(workdir, CALIBRATION_FILE)
-
-
-def save_temperature(workdir: str, temperature: float, *, step: int, n: int) -> str:
-    path = calibration_path(workdir)
-    with open(path, "w") as f:
-        json.dump({"method": "temperature", "temperature": float(temperature), "step": int(step),
-                   "n_calibration": int(n)}, f, indent=2)
-    return path
-
-
-def load_calibration(workdir: str, method: str) -> Calibration:
-    """The calibration ``method`` of a run: ``prior`` from its manifest, ``temperature`` frozen by
-    its sweep (``W/calibration.json``)."""
-    if method == "none":
-        return IDENTITY
-    if method == "prior":
-        return Calibration("prior", shift=prior_shift(run_label_shares(workdir)))
-    if method == "temperature":
-        path = calibration_path(workdir)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: no fitted temperature; run launch.sweep --workdir={workdir} "
-                                    f"--calibration=temperature first")
-        with open(path) as f:
-            rec = json.load(f)
-        if "temperature" not in rec:
-            raise ValueError(f"{path}: field 'temperature' is missing")
-        return Calibration("temperature", temperature=float(rec["temperature"]))
-    raise ValueError(f"--calibration={method!r} is not one of {METHODS}")
 
 
 def calibration_split(prompt_ids, fraction: float = 0.5, seed: int = 0) -> np.ndarray:

@@ -10,16 +10,14 @@ into the reward. The sweep runs end to end (slow) with the gate and the calibrat
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 
 from rm_jax.eval import calibration as cal
+from rm_jax.score import calibration_files
 from rm_jax.eval.selection import SweepRow
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_fixtures import make_judge_workdir  # noqa: E402
+from serve_fixtures import make_judge_workdir
 
 
 def _logit(q):
@@ -72,7 +70,7 @@ def test_label_shares_equal_the_shards(built_shards):
     splits = split_samples(data_dir)
     n_fail = sum(s.label.l3 == "fail" for s in splits["train"])
     n_pass = len(splits["train"]) - n_fail
-    shares = cal.label_shares(data_dir, 3)
+    shares = calibration_files.label_shares(data_dir, 3)
     assert shares["train_stream_fail_share"] == pytest.approx(3 * n_fail / (n_pass + 3 * n_fail))
     assert shares["heldout_fail_share"] == pytest.approx(np.mean([s.label.l3 == "fail" for s in splits["heldout"]]))
 
@@ -93,10 +91,10 @@ def test_score_rows_carry_the_calibrated_p_pass(synth_dir):
 
 def test_load_calibration_reads_the_frozen_temperature(tmp_path):
     with pytest.raises(FileNotFoundError, match="launch.sweep"):
-        cal.load_calibration(str(tmp_path), "temperature")
-    cal.save_temperature(str(tmp_path), 1.7, step=5, n=40)
-    assert cal.load_calibration(str(tmp_path), "temperature") == cal.Calibration("temperature", temperature=1.7)
-    assert cal.load_calibration(str(tmp_path), "none") is cal.IDENTITY
+        calibration_files.load_calibration(str(tmp_path), "temperature")
+    calibration_files.save_temperature(str(tmp_path), 1.7, step=5, n=40)
+    assert calibration_files.load_calibration(str(tmp_path), "temperature") == cal.Calibration("temperature", temperature=1.7)
+    assert calibration_files.load_calibration(str(tmp_path), "none") is cal.IDENTITY
 
 
 def test_gate_excludes_steps_whose_worst_attack_exceeds_it():
@@ -138,8 +136,8 @@ def test_server_engine_rows_use_the_calibration(tiny_cfg, built_shards, renderer
     from rm_jax.score.scorer import ScoreMode, VerdictScore
     from rm_jax.serve.engine import Engine
     workdir = make_judge_workdir(tmp_path, tiny_cfg, built_shards[0], renderer)
-    c = cal.load_calibration(workdir, "prior")
-    assert c.shift == pytest.approx(cal.prior_shift(cal.run_label_shares(workdir)))
+    c = calibration_files.load_calibration(workdir, "prior")
+    assert c.shift == pytest.approx(cal.prior_shift(calibration_files.run_label_shares(workdir)))
     engine = Engine.load(workdir, max_batch=8, calibration=c)
     sample = next(s for s in read_samples(os.path.join(synth_dir, "samples.jsonl")) if isinstance(s, Sample))
     v = VerdictScore(sample.id, 0.25, 0.0, 0.0, float(-_logit(0.25)))

@@ -9,16 +9,13 @@ init) judge through launch.score's function and selects from its output and side
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 
 from rm_jax.data.schema import Sample, read_samples
 from rm_jax.eval import active
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_fixtures import make_judge_workdir  # noqa: E402
+from serve_fixtures import make_judge_workdir
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ from rm_jax.data.render import Renderer
 from rm_jax.data.schema import Sample, read_samples
 from rm_jax.data.attacks import ATTACK, of_kind
 from rm_jax.eval import audit as audit_lib
-from rm_jax.eval import calibration as cal
+from rm_jax import calibration as cal
+from rm_jax.score import calibration_files
 from rm_jax.eval import plots
 from rm_jax.eval.baseline import shortcut_baseline
 from rm_jax.metrics import METRIC_KEYS, failures_by_issue, judge_metrics, to_jsonable
@@ -193,7 +194,7 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
     if not steps:
         raise FileNotFoundError(f"{workdir}/checkpoints holds no checkpoint to sweep")
     losses = val_losses(workdir)
-    shares = cal.label_shares(data_dir, int(cfg.data.oversample_fail))
+    shares = calibration_files.label_shares(data_dir, int(cfg.data.oversample_fail))
     audit_subset = robustness.subset(heldout) if (robustness.samples or robustness.gate is not None) else []
     if robustness.gate is not None and not audit_subset:
         raise ValueError(f"--robustness_gate needs failing held-out samples to audit; {data_dir} has none "
@@ -260,7 +261,7 @@ def run_sweep(workdir: str, data_dir: str, *, rule: SelectionRule = SelectionRul
         cal.reliability_diagram(path, cal_table.pop("curves"), xlabel="P(pass) (evaluation half of held-out)")
         plot_paths["calibration"] = path
     if step_cal[choice.step].method == "temperature":
-        cal.save_temperature(workdir, step_cal[choice.step].temperature, step=choice.step,
+        calibration_files.save_temperature(workdir, step_cal[choice.step].temperature, step=choice.step,
                              n=cal_table["n_calibration"] if cal_table else 0)
     out = to_jsonable({
         "workdir": os.path.abspath(workdir), "data": os.path.abspath(data_dir), "n_heldout": len(heldout),

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from rm_jax.eval import calibration as cal
+from rm_jax import calibration as cal
 from rm_jax.eval import ranking
 from rm_jax.rm import data as data_lib
 from rm_jax.rm.head import HEAD_DEFINITION

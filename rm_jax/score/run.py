@@ -11,7 +11,7 @@ import json
 import os
 
 from rm_jax.data.schema import Reject, read_samples, render_error
-from rm_jax.eval.calibration import IDENTITY, Calibration
+from rm_jax.calibration import IDENTITY, Calibration
 from rm_jax.score.reward import RewardSettings, compute_reward
 
 

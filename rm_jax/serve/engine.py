@@ -25,7 +25,7 @@ from rm_jax.data import target as target_lib
 from rm_jax.data.schema import Sample, SampleError
 from rm_jax.model.decode import TextGeneration, TextSpec
 from rm_jax.model.registry import prepare_inputs
-from rm_jax.eval.calibration import IDENTITY, Calibration
+from rm_jax.calibration import IDENTITY, Calibration
 from rm_jax.score.reward import RewardSettings
 from rm_jax.score.scorer import Scorer, ScoreMode
 from rm_jax.serve.stream import ScoreStream
