@@ -15,6 +15,7 @@ not a test. Last line: one JSON object.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -82,6 +83,7 @@ def _load(url: str, pool: list[dict], seconds: float, clients: int, seed: int) -
 
 def main(argv):
     del argv
+    logging.getLogger("httpx").setLevel(logging.WARNING)     # one line per health poll otherwise
     with open(_INPUT.value) as f:
         pool = [json.loads(line) for _, line in zip(range(_POOL.value), f)]
     port = _free_port()
