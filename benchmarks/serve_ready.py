@@ -37,6 +37,8 @@ _POOL = flags.DEFINE_integer("pool", 2000, "samples read from --input")
 _CACHE = flags.DEFINE_string("compile_cache_dir", None, "the server's --compile_cache_dir")
 _STARTUP = flags.DEFINE_float("startup_timeout_s", 3600.0, "give up waiting for ready after this long")
 _SEED = flags.DEFINE_integer("seed", 0, "request mix")
+_URL = flags.DEFINE_string("url", None, "attach to a server already started (its time to ready is then not "
+                           "measured here: read it from its log)")
 
 _COMPILES = re.compile(r"^rm_jax_xla_compiles (\S+)$", re.M)
 
@@ -87,7 +89,7 @@ def main(argv):
     with open(_INPUT.value) as f:
         pool = [json.loads(line) for _, line in zip(range(_POOL.value), f)]
     port = _free_port()
-    url = f"http://127.0.0.1:{port}"
+    url = _URL.value.rstrip("/") if _URL.value else f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "launch.serve", f"--workdir={_WORKDIR.value}", f"--port={port}",
            f"--max_batch={_MAX_BATCH.value}", f"--image_root={os.path.dirname(os.path.abspath(_INPUT.value))}",
            f"--max_queue={max(1024, 8 * _CLIENTS.value)}"]
@@ -96,12 +98,13 @@ def main(argv):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     t0 = time.monotonic()
-    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = None if _URL.value else subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                                      stderr=subprocess.DEVNULL)
     try:
         with httpx.Client(timeout=30) as client:
             starting_seen = False
             while True:
-                if server.poll() is not None:
+                if server is not None and server.poll() is not None:
                     raise SystemExit(f"launch.serve exited with {server.returncode} before ready")
                 if time.monotonic() - t0 > _STARTUP.value:
                     raise SystemExit(f"not ready after {_STARTUP.value:.0f} s")
@@ -122,8 +125,9 @@ def main(argv):
             load_s = time.monotonic() - t1
             after = _compiles(client, url) - at_ready
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
     print(f"load: {load_s:.0f} s, {_CLIENTS.value} clients, {counts['requests']} requests, "
           f"{counts['samples']} samples ({counts['samples'] / load_s:.1f}/s), {counts['errors']} error rows, "
           f"{counts['http_errors']} non-200")
