@@ -21,21 +21,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from loopback import REPO, free_port
+
 SMALL_MODEL = dict(num_hidden_layers=2, vision_depth=1)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_judge_workdir(root, tiny_cfg, shards_dir: str, renderer, *, steps=(1,), chosen: int | None = None,

@@ -14,15 +14,14 @@ an image on the wrong process (those move the loss at 1e-2).
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from loopback import REPO, cpu_env, log_path, start_pair, wait_all, without
 from rm_jax.train.metrics_log import read_metrics
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = {"pairs_per_s", "non_pad_tokens_per_s"}
 RTOL, ATOL = 1e-5, 1e-7
 # 4 steps of 2 prompt groups (8 candidates, 12 pair slots), a checkpoint at 2 and 4, a 2-layer model.
@@ -48,58 +47,30 @@ def pair_dir(tmp_path_factory):
     return str(root / "pairs")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cmd(workdir, data, cluster=()):
     return [sys.executable, "-m", "launch.rm_train", f"--config={REPO}/configs/rm_tiny.py", f"--workdir={workdir}",
             f"--data={data}", *RUN, *cluster]
 
 
-def _env(n_devices: int, cache_dir) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"   # devices per process
-    env["JAX_PLATFORMS"] = "cpu"
-    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return env
-
-
 def _run_pair(workdir, data, env, logs):
-    port = _free_port()
-    procs = []
-    for pid in range(2):
-        cluster = (f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={pid}")
-        log = open(logs / f"{workdir.name}.{pid}.log", "a")
-        procs.append(subprocess.Popen(_cmd(workdir, data, cluster), cwd=REPO, env=env, stdout=log, stderr=log))
-    for p in procs:
-        if p.wait(timeout=600):
-            tails = "\n".join(open(logs / f"{workdir.name}.{i}.log").read()[-3000:] for i in range(2))
-            raise AssertionError(f"{workdir.name}: a process exited with {p.returncode}\n{tails}")
-
-
-def _strip(rows):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    wait_all(start_pair(lambda cluster: _cmd(workdir, data, cluster), workdir.name, env, logs), logs, workdir.name)
 
 
 @pytest.mark.slow   # ~4 min on 2 cores: three trainings, two of them two compiles at once
 def test_rm_two_processes_equal_one_and_resume(pair_dir, tmp_path):
     cache = tmp_path / "jax_cache"
     one, two = tmp_path / "one", tmp_path / "two"
-    out = subprocess.run(_cmd(one, pair_dir), cwd=REPO, env=_env(8, cache), capture_output=True, text=True)
+    out = subprocess.run(_cmd(one, pair_dir), cwd=REPO, env=cpu_env(8, cache), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "single process" in out.stderr
-    reference = _strip(read_metrics(str(one)))
+    reference = without(read_metrics(str(one)), TIMING)
     assert [r["step"] for r in reference] == [1, 2, 3, 4]
 
-    env2 = _env(4, cache)
+    env2 = cpu_env(4, cache)
     _run_pair(two, pair_dir, env2, tmp_path)
     for pid in range(2):
-        assert f"as process {pid} of 2 (8 devices in all)" in open(tmp_path / f"two.{pid}.log").read()
-    got = _strip(read_metrics(str(two)))
+        assert f"as process {pid} of 2 (8 devices in all)" in open(log_path(tmp_path, "two", pid)).read()
+    got = without(read_metrics(str(two)), TIMING)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     worst, worst_at = 0.0, None
     for g, w in zip(got, reference):
@@ -123,5 +94,5 @@ def test_rm_two_processes_equal_one_and_resume(pair_dir, tmp_path):
     # resume: drop the last checkpoint, rerun the pair; it restarts at step 2 and repeats steps 3-4
     shutil.rmtree(two / "checkpoints" / "4")
     _run_pair(two, pair_dir, env2, tmp_path)
-    assert "resumed at step 2" in open(tmp_path / "two.0.log").read()
-    assert _strip(read_metrics(str(two))) == got
+    assert "resumed at step 2" in open(log_path(tmp_path, "two", 0)).read()
+    assert without(read_metrics(str(two)), TIMING) == got

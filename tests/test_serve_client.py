@@ -17,10 +17,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from loopback import free_port
 from rm_jax.rl import verl_reward
 from rm_jax.rl.client import ClientSettings, RewardClient, SyncRewardClient
 from rm_jax.serve.batcher import DrainRate
-from serve_fixtures import free_port
 
 LABEL = json.dumps({"id": "s", "messages": [{"role": "user", "content": "hi"}]})
 
