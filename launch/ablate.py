@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 
 from absl import app, flags
 
-from launch.common import DEFAULT_CONFIG, REPO_ROOT
+from launch.common import DEFAULT_CONFIG, metrics_at, run_stage
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "where everything is written", required=True)
 _N = flags.DEFINE_integer("n", 10000, "synthetic samples")
@@ -45,25 +42,6 @@ ROWS = {"verdict_first": "recipe", "reason_first": "reason_first", "oversample_1
         "oversample_3": "oversample_3", "random_init": "random_init", "policy_init": "recipe"}
 
 
-def _run(stage: str, args: list[str], timings: dict, key: str) -> None:
-    cmd = [sys.executable, "-m", f"launch.{stage}", *args]
-    print(f"\n=== {key}: {' '.join(cmd[1:])}", flush=True)
-    t0 = time.time()
-    subprocess.run(cmd, check=True, cwd=REPO_ROOT)
-    timings[key] = round(time.time() - t0, 2)
-
-
-def metrics_at(sweep: dict, step: int) -> dict:
-    """The judge_metrics keys of one swept step (the sweep stores the chosen step's in full and a
-    table row for every step; n, n_fail and the majority baseline are the held-out set's)."""
-    from rm_jax.eval.metrics import METRIC_KEYS
-    chosen = sweep["chosen"]
-    if step == chosen["step"]:
-        return {"step": step, **{k: chosen[k] for k in METRIC_KEYS}}
-    row = next(r for r in sweep["rows"] if r["step"] == step)
-    return {"step": step, **{k: row.get(k, chosen[k]) for k in METRIC_KEYS}}
-
-
 def main(argv):
     del argv
     from rm_jax.eval.metrics import METRIC_KEYS
@@ -71,23 +49,23 @@ def main(argv):
     data = os.path.join(work, "data")
     cfg = f"--config={_CONFIG.value}"
     timings: dict[str, float] = {}
-    _run("synth", [f"--out={data}", f"--n={_N.value}", f"--seed={_SEED.value}", "--fail_rate=0.3"], timings, "synth")
-    _run("policy_sft", [f"--input={data}/samples.jsonl", f"--out={work}/policy", cfg,
+    run_stage("synth", [f"--out={data}", f"--n={_N.value}", f"--seed={_SEED.value}", "--fail_rate=0.3"], timings, "synth")
+    run_stage("policy_sft", [f"--input={data}/samples.jsonl", f"--out={work}/policy", cfg,
                         f"--steps={_POLICY_STEPS.value}", f"--config.seed={_SEED.value}"], timings, "policy_sft")
     sweeps = {}
     for name, (order, oversample, policy) in RUNS.items():
         shards, run = os.path.join(work, f"shards_{'reason' if order else 'verdict'}_first"), os.path.join(work, name)
         order_flag = [f"--config.data.field_order={order}"] if order else []
         if not os.path.isfile(os.path.join(shards, "manifest.json")):
-            _run("build_data", [f"--input={data}/samples.jsonl", f"--out={shards}", cfg, *order_flag],
+            run_stage("build_data", [f"--input={data}/samples.jsonl", f"--out={shards}", cfg, *order_flag],
                  timings, f"build_{os.path.basename(shards)}")
         if not os.path.isfile(os.path.join(run, "sweep.json")):
-            _run("train", [cfg, f"--workdir={run}", f"--config.data.dir={shards}", *order_flag,
+            run_stage("train", [cfg, f"--workdir={run}", f"--config.data.dir={shards}", *order_flag,
                            f"--config.data.oversample_fail={oversample}", f"--config.train.steps={_STEPS.value}",
                            f"--config.seed={_SEED.value}",
                            f"--config.train.init_from={os.path.join(work, 'policy', 'hf') if policy else ''}"],
                  timings, f"train_{name}")
-            _run("sweep", [f"--workdir={run}", f"--data={shards}", f"--max_samples={_SWEEP_MAX.value}"],
+            run_stage("sweep", [f"--workdir={run}", f"--data={shards}", f"--max_samples={_SWEEP_MAX.value}"],
                  timings, f"sweep_{name}")
         with open(os.path.join(run, "sweep.json")) as f:
             sweeps[name] = json.load(f)

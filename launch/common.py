@@ -104,3 +104,29 @@ def refuse_multi_process(job: str, cluster) -> None:
             f"{cluster.coordinator_address!r} --num_processes={cluster.num_processes} --process_id="
             f"{cluster.process_id}): run it once, on one host; it rebuilds the run's mesh over that host's "
             "devices (falling back to data parallelism over fewer devices, logged)")
+
+
+def run_stage(stage: str, args: list[str], timings: dict, key: str) -> None:
+    """`python -m launch.<stage> ARGS` from the repo root (a failure raises), timed as timings[key]:
+    how the drivers (launch.ablate, benchmarks.judge_levers) run each stage as a user would."""
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", f"launch.{stage}", *args]
+    print(f"\n=== {key}: {' '.join(cmd[1:])}", flush=True)
+    t0 = time.time()
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT)
+    timings[key] = round(time.time() - t0, 2)
+
+
+def metrics_at(sweep: dict, step: int) -> dict:
+    """The judge_metrics keys of one swept step of a sweep.json (the sweep stores the chosen step's
+    in full and a table row for every step; n, n_fail and the majority baseline are the held-out set's)."""
+    from rm_jax.metrics import METRIC_KEYS
+
+    chosen = sweep["chosen"]
+    if step == chosen["step"]:
+        return {"step": step, **{k: chosen[k] for k in METRIC_KEYS}}
+    row = next(r for r in sweep["rows"] if r["step"] == step)
+    return {"step": step, **{k: row.get(k, chosen[k]) for k in METRIC_KEYS}}

@@ -82,7 +82,7 @@ def step_config(cfg: RunConfig, manifest: dict | None = None) -> StepConfig:
             raise ValueError("train.value_check_weight / seen_check_weight need the data manifest's verdict_tokens")
         value_ids = (int(tokens["fail_id"]), int(tokens["pass_id"]))
     return StepConfig(loss=LossConfig(t.max_target_tokens, t.vocab_chunk), value_weight=value_weight,
-                      value_tokens=value_tokens, value_ids=value_ids, lb_coef=cfg.moe.lb_coef, z_coef=cfg.moe.z_coef,
+                      value_tokens=value_tokens, value_ids=value_ids, value_layer=t.value_check_layer, lb_coef=cfg.moe.lb_coef, z_coef=cfg.moe.z_coef,
                       expert_grad_dtype=t.expert_grad_dtype, expert_accum_dtype=t.expert_accum_dtype,
                       context_weight=t.context_lm_weight, context_tokens=t.context_lm_tokens)
 

@@ -93,6 +93,9 @@ class StepConfig:
     value_weight: float = 0.0
     value_tokens: int = 0           # static per-example budget of labelled positions
     value_ids: tuple[int, int] = (0, 0)   # (fail, pass) token ids: the verdict's first tokens
+    # The decoder layer whose output that term reads (through the final norm and head); -1 = the
+    # final hidden state. A middle layer leaves later layers to attend to what it flags.
+    value_layer: int = -1
 
 
 class StepBuilder:
@@ -139,7 +142,8 @@ class StepBuilder:
         context and value terms, which each term's sum is divided by."""
         n_total, n_context, n_value = totals
         model = nnx.merge(self.graphdef, params, rest)
-        out = model.forward_arrays(mb.inputs, logits=False)
+        read_layer = mb.value_target is not None and self.cfg.value_layer >= 0
+        out = model.forward_arrays(mb.inputs, logits=False, return_hidden=read_layer)
         ids_bt = jnp.asarray(mb.inputs.input_ids_bt)
         tl = target_cross_entropy(out.final_hidden_btd, model.head_dv(), ids_bt, mb.target_mask, self.cfg.loss)
         ctx_sum = ctx_n = val_sum = val_n = jnp.zeros((), jnp.float32)
@@ -148,7 +152,9 @@ class StepBuilder:
                                       LossConfig(self.cfg.context_tokens, self.cfg.loss.vocab_chunk))
             ctx_sum, ctx_n = cl.loss_sum, cl.n_tokens
         if mb.value_target is not None:
-            vl = value_check_cross_entropy(out.final_hidden_btd, model.head_dv(), jnp.asarray(mb.value_target),
+            value_btd = (model.final_norm(out.layer_hidden_lbtd[self.cfg.value_layer]) if read_layer
+                         else out.final_hidden_btd)
+            vl = value_check_cross_entropy(value_btd, model.head_dv(), jnp.asarray(mb.value_target),
                                            self.cfg.value_ids, self.cfg.value_tokens)
             val_sum, val_n = vl.loss_sum, vl.n_tokens
         aux = out.moe_aux
