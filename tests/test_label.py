@@ -9,6 +9,7 @@ Retry-After, a stall past the timeout, a dropped connection, a truncated body).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import collections
 import dataclasses
@@ -28,6 +29,7 @@ import httpx
 import httpx2   # the openai SDK's HTTP client
 import openai
 import pytest
+import tenacity
 from PIL import Image
 
 from configs import judge_contracts
@@ -38,7 +40,8 @@ from rm_jax.label import store
 from rm_jax.label.contracts import IMAGE_CONTRACT, VERDICT_CONTRACTS
 from rm_jax.label.replies import parse_image_score, parse_verdict
 from rm_jax.label.request import TEACHER_GUARD, build_requests, request_images
-from rm_jax.label.run import LabelSettings, label_file
+from rm_jax.label.rebase import ImageRebase
+from rm_jax.label.run import LabelSettings, Tally, label_file, label_stream, read_tasks
 from rm_jax.label.standin import StandinTeacher
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,16 +181,16 @@ def test_retry_classification_and_retry_after():
     assert client_lib.retryable(client_lib.UnusableReply("x"))
     for cls, code in ((openai.BadRequestError, 400), (openai.NotFoundError, 404), (openai.AuthenticationError, 401)):
         assert not client_lib.retryable(_status_error(cls, code))
-    wait = client_lib._Wait(client_lib.RetryPolicy(backoff_initial_s=0.01, backoff_max_s=0.02, retry_after_max_s=5))
+    wait = client_lib.RetryAfterWait(client_lib.RetryPolicy(backoff_initial_s=0.01, backoff_max_s=0.02,
+                                                            retry_after_max_s=5))
 
-    class State:   # the two attributes tenacity's wait strategies read
-        attempt_number = 1
-
-        def __init__(self, exc):
-            self.outcome = type("O", (), {"exception": lambda _self: exc})()
-    assert 2.0 <= wait(State(_status_error(openai.RateLimitError, 429, {"Retry-After": "2"}))) <= 2.0
-    assert wait(State(_status_error(openai.RateLimitError, 429, {"Retry-After": "600"}))) == 5   # capped
-    assert wait(State(_status_error(openai.InternalServerError, 500))) <= 0.02
+    def failed_with(exc) -> tenacity.RetryCallState:      # tenacity's record of a first attempt that raised
+        state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
+        state.set_exception((type(exc), exc, None))
+        return state
+    assert 2.0 <= wait(failed_with(_status_error(openai.RateLimitError, 429, {"Retry-After": "2"}))) <= 2.0
+    assert wait(failed_with(_status_error(openai.RateLimitError, 429, {"Retry-After": "600"}))) == 5   # capped
+    assert wait(failed_with(_status_error(openai.InternalServerError, 500))) <= 0.02
 
 
 def test_store_repairs_a_torn_tail_and_refuses_damage(tmp_path):
@@ -291,10 +294,6 @@ def _standin_settings(teacher, **kw) -> LabelSettings:
 def test_rows_are_read_as_workers_free_up(tmp_path, standin):
     """The reader runs ahead of the finished results by at most the workers and their queue
     (memory bounded by concurrency), and every row still ends labelled exactly once."""
-    import asyncio
-    from rm_jax.label.rebase import ImageRebase
-    from rm_jax.label.run import Tally, _label_stream, read_tasks
-
     d = tmp_path / "data"
     samples = synth.generate(synth.SynthConfig(n=60, seed=5), str(d))
     inp = d / "samples.jsonl"
@@ -312,7 +311,7 @@ def test_rows_are_read_as_workers_free_up(tmp_path, standin):
 
     writers = [store.JsonlAppender(p) for p in (str(out), store.errors_path(str(out)), store.rejects_path(str(out)))]
     try:
-        asyncio.run(_label_stream(counted(), None, store.ExistingOutput({}, 0), settings, tally, *writers))
+        asyncio.run(label_stream(counted(), None, store.ExistingOutput({}, 0), settings, tally, *writers))
     finally:
         for w in writers:
             w.close()
@@ -744,7 +743,6 @@ def _ids_safe(path) -> list[str]:
 
 
 def test_progress_shows_the_running_fail_rate_by_route():
-    from rm_jax.label.run import Tally
     t = Tally()
     for route, l3 in [(ROUTE_TEXT_ONLY, "fail")] * 3 + [(ROUTE_TEXT_ONLY, "pass")] + [(ROUTE_TOOL_CALL, "pass")] * 9 \
             + [(ROUTE_TOOL_CALL, "fail")]:
@@ -771,8 +769,6 @@ def test_reference_reply_never_reaches_judge_or_teacher(many_images):
 
 
 def test_connection_errors_use_the_whole_retry_budget():
-    import asyncio
-
     async def go():
         pool = client_lib.TeacherPool([UNREACHABLE, UNREACHABLE], "m", concurrency=1,
                                       policy=client_lib.RetryPolicy(max_retries=3, timeout_s=2, backoff_initial_s=0.01,
@@ -788,19 +784,25 @@ def test_connection_errors_use_the_whole_retry_budget():
     assert [e["requests"] for e in eps] == [2, 2]          # attempts spread over both endpoints
 
 
-def test_a_failing_endpoint_is_picked_last():
-    import asyncio
+def test_a_failing_endpoint_is_picked_last(standin):
+    """After one failed attempt an endpoint gets no more work while another answers, even a busy
+    one; healthy endpoints take turns."""
+    policy = client_lib.RetryPolicy(max_retries=2, timeout_s=30, backoff_initial_s=0.01, backoff_max_s=0.02)
+    messages = [{"role": "user", "content": "x"}]
 
-    async def go():
-        pool = client_lib.TeacherPool(["http://127.0.0.1:9/a/v1", "http://127.0.0.1:9/b/v1"], "m", concurrency=2)
-        dead, live = pool.endpoints
-        dead.streak = 2                        # its last attempts failed; nothing in flight
-        live.in_flight = 1                     # busy, but answering
-        picks = [pool._pick() for _ in range(4)]
-        live.in_flight, dead.streak = 0, 0
-        after = {pool._pick().base_url for _ in range(4)}
-        await pool.aclose()
-        return picks, live, after
-    picks, live, after = asyncio.run(go())
-    assert all(p is live for p in picks)
-    assert after == {"http://127.0.0.1:9/a/v1", "http://127.0.0.1:9/b/v1"}   # recovered: both again
+    async def go(urls: list[str], concurrent: int) -> list[dict]:
+        pool = client_lib.TeacherPool(urls, standin.model, concurrency=2, policy=policy)
+        try:
+            # The first attempt goes to the first endpoint (all equal, the turn starts there).
+            first = await pool.complete(messages, parse_verdict)
+            await asyncio.gather(*(pool.complete(messages, parse_verdict) for _ in range(concurrent)))
+        finally:
+            await pool.aclose()
+        return [first.attempts, *pool.endpoint_stats()]
+    attempts, dead, live = asyncio.run(go([UNREACHABLE, standin.base_url], concurrent=6))
+    # one attempt on the dead endpoint, then every request on the live one, though it is busy
+    assert attempts == 2
+    assert (dead["requests"], dead["failed_requests"]) == (1, 1)
+    assert (live["requests"], live["failed_requests"]) == (7, 0)
+    _, *both = asyncio.run(go([standin.base_url, standin.base_url], concurrent=3))
+    assert sorted(e["requests"] for e in both) == [2, 2]          # round robin among equals

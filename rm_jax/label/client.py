@@ -114,8 +114,10 @@ def _retry_after(exc: BaseException | None) -> float | None:
     return None
 
 
-class _Wait(tenacity.wait.wait_base):
-    """Full-jitter exponential backoff, at least the server's Retry-After when it sent one."""
+class RetryAfterWait(tenacity.wait.wait_base):
+    """A tenacity wait strategy: full-jitter exponential backoff (``policy.backoff_initial_s`` up to
+    ``policy.backoff_max_s``), but at least the server's Retry-After when it sent one, capped at
+    ``policy.retry_after_max_s``."""
 
     def __init__(self, policy: RetryPolicy):
         self.jitter = tenacity.wait_random_exponential(multiplier=policy.backoff_initial_s,
@@ -214,7 +216,7 @@ class TeacherPool:
 
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(self.policy.max_retries + 1),
-            wait=_Wait(self.policy), retry=tenacity.retry_if_exception(again), reraise=True)
+            wait=RetryAfterWait(self.policy), retry=tenacity.retry_if_exception(again), reraise=True)
         try:
             async for attempt in retrying:
                 with attempt:

@@ -256,7 +256,7 @@ def _label_file_locked(input_path: str, out_path: str, settings: LabelSettings, 
     endpoint_stats: dict = {}
     complete = False
     try:
-        endpoint_stats = asyncio.run(_label_stream(items, total, existing, settings, tally, out_w, err_w, rej_w))
+        endpoint_stats = asyncio.run(label_stream(items, total, existing, settings, tally, out_w, err_w, rej_w))
         complete = True
     finally:
         for w in (out_w, err_w, rej_w):
@@ -270,8 +270,14 @@ def _label_file_locked(input_path: str, out_path: str, settings: LabelSettings, 
     return stats
 
 
-async def _label_stream(items: Iterator[Task | Reject], total: int | None, existing: store.ExistingOutput,
-                        settings: LabelSettings, tally: Tally, out_w, err_w, rej_w) -> dict:
+async def label_stream(items: Iterator[Task | Reject], total: int | None, existing: store.ExistingOutput,
+                       settings: LabelSettings, tally: Tally, out_w, err_w, rej_w) -> dict:
+    """Label ``items`` (tasks and rejects, e.g. ``read_tasks``) with ``settings.concurrency`` workers
+    per endpoint; rows already in ``existing`` are counted, not sent. Each result is written as it
+    finishes (labels to ``out_w``, failures to ``err_w``, rejects to ``rej_w``) and counted in
+    ``tally``; ``total`` sizes the progress bar. The reader runs ahead of the workers by at most
+    one queue of their number, so memory stays bounded whatever the input's size. Returns the
+    endpoints' request counts ({"verdict": [...], "image": [...]})."""
     from tqdm import tqdm
 
     verdict_pool = TeacherPool(list(settings.endpoints), settings.model, concurrency=settings.concurrency,
