@@ -9,13 +9,16 @@ position + 1 + step, which is not len + step once an image is in the prompt).
 """
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from rm_jax.model import ModelConfig, RuntimeOptions, init_model, prepare_inputs
-from rm_jax.model.decode import SLOT_PATTERN, DecodeSpec, Decoder, _kmp_step
+from rm_jax.model.decode import SLOT_PATTERN, DecodeSpec, Decoder, slot_automaton
+from rm_jax.serve.warmup import CompileCounter
 
 VSTART, VEND, IMAGE = 3, 4, 5
 T, STEPS = 72, 6
@@ -98,13 +101,13 @@ def test_cached_steps_equal_full_forward(setup):
 
 def test_step_compiles_once(setup):
     model, cfg, dec, (ids, mask, pixels, grids, _) = setup
-    from rm_jax.model import decode
     inputs = prepare_inputs(cfg, ids, mask, pixels, grids, attention="lengths")
     _, cache = dec.prefill(inputs, T + STEPS)
-    before = decode._jit_step._cache_size()
+    counter = CompileCounter.install()
+    before = counter.compiles + counter.cache_hits
     for i in range(3):
         _, cache = dec.step(cache, np.full(3, 20 + i, np.int32))
-    assert decode._jit_step._cache_size() - before <= 1
+    assert counter.compiles + counter.cache_hits - before <= 1
 
 
 def test_eos_stops_rows_and_forcing(setup):
@@ -120,13 +123,28 @@ def test_eos_stops_rows_and_forcing(setup):
     assert toks[1, :3].tolist() == [12, 13, 14] and int(gen.n_tokens_b[1]) == STEPS
 
 
-def test_kmp_step():
-    # '"l3": "' after '"l3": ' + '"' completes; a second '"' restarts at the one-quote prefix.
-    p = SLOT_PATTERN
-    assert _kmp_step(p, 6, '"') == 7
-    assert _kmp_step(p, 7, '"') == 1
-    assert _kmp_step(p, 3, 'x') == 0
-    assert _kmp_step(p, 1, '"') == 1
+def test_slot_automaton_matches_the_slot_text_over_token_texts(synth_dir):
+    """``table[state, token]`` on a real byte-level BPE tokenizer: the KMP match state of
+    '"l3": "' after the token's text, whether a token is one character or several."""
+    tok = AutoTokenizer.from_pretrained(os.path.join(synth_dir, "tokenizer"))
+    table = slot_automaton(tok, len(tok) + 2)
+
+    def one(text: str) -> int:
+        (token,) = tok(text, add_special_tokens=False)["input_ids"]
+        return token
+    quote, x, colon_quote = one('"'), one("x"), one('": "')
+    full = len(SLOT_PATTERN)
+    assert table[full - 1, quote] == full          # '"l3": ' + '"' completes
+    assert table[full, quote] == 1                 # a second '"' restarts at the one-quote prefix
+    assert table[3, x] == 0
+    assert table[1, quote] == 1
+    assert table[3, colon_quote] == full           # '"l3' + '": "' completes in one token
+    state = 0
+    for token in tok('{"l3": "', add_special_tokens=False)["input_ids"]:
+        state = table[state, token]
+    assert state == full
+    # ids past the tokenizer (padded vocabulary) have no text: the state is kept
+    np.testing.assert_array_equal(table[:, len(tok):], np.repeat(np.arange(full + 1)[:, None], 2, 1))
 
 
 def test_slot_automaton_hit_forces_verdict_and_stops(setup):

@@ -279,7 +279,7 @@ def _grpo_groups(judge, synth_dir, scorer):
     with_img = [g for g in by_prompt.values() if len(g) > 1 and g[0].images][:2]
     without = [g for g in by_prompt.values() if len(g) > 1 and not g[0].images][:1]
     chosen = [s for g in with_img + without for s in g]
-    groups, alone = scorer._prefix_groups(scorer.render(chosen)[0])
+    groups, alone = scorer.prefix_groups(scorer.render(chosen)[0])
     assert len(groups) == 3 and not alone
     for g in groups:
         assert all(not np.any(it.ids[g.n_shared:] == cfg.image_token_id) for it in g.items)   # images in the prefix
@@ -334,7 +334,7 @@ def test_one_member_and_split_groups_equal_whole_prompts(judge, renderer, synth_
     the suffix is refused."""
     import jax
     chosen = _grpo_groups(judge, synth_dir, scorer)
-    groups, _ = scorer._prefix_groups(scorer.render(chosen)[0])
+    groups, _ = scorer.prefix_groups(scorer.render(chosen)[0])
     img_a, img_b, text = groups
     ones = [scorer.one_group(it, max(BUCKETS)) for it in (img_b.items[0], text.items[0])]
     assert all(g is not None and g.n_shared == len(g.items[0].ids) - 1 for g in ones)

@@ -126,16 +126,19 @@ def test_generated_files_are_named_by_one_token_stems(dataset):
     result's in one token (the stem) when it is hallucinated."""
     _, samples, _ = dataset
     edits_elsewhere = 0
+    folder_of: dict[str, str] = {}          # prompt_id -> its one image folder
     for s in samples:
         called = [v for c in s["response"]["tool_calls"] for v in _decode_args(c["function"]["arguments"])[0].values()
                   if isinstance(v, str) and v.startswith("images/")]
         for path in conversation_images(s) + called:
             folder, name = path.split("/")[1:]
-            assert folder == synth._folder(int(s["prompt_id"][1:])) and not any(c.isdigit() for c in folder)
+            assert re.fullmatch("[a-z]+", folder), (s["id"], path)     # letters: no digit to read as a count
+            assert folder_of.setdefault(s["prompt_id"], folder) == folder, (s["id"], path)
             assert name[:-4] in (*synth.FILE_STEMS, "ref"), (s["id"], path)
         # A call on an image no tool result returned names another stem in the same folder.
         edits_elsewhere += bool(set(called) - set(conversation_images(s)))
     assert edits_elsewhere
+    assert len(set(folder_of.values())) == len(folder_of) > 1              # one prompt's folder is its own
     halluc = [s for s in samples if s["label"]["issues"] == ["text_hallucination"]]
     assert halluc
     for s in halluc:
