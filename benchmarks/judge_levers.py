@@ -69,6 +69,8 @@ _LEVERS = flags.DEFINE_list("levers", [], f"levers to run now, of {sorted(LEVERS
 _EXTRA = flags.DEFINE_multi_string("extra", [], "NAME=LEVER+LEVER: a combination of levers' flags")
 _STEPS = flags.DEFINE_integer("steps", 1000, "judge steps of the levers run now")
 _POLICY_STEPS = flags.DEFINE_integer("policy_steps", 300, "policy SFT steps of an architecture lever")
+_SPEED_REF = flags.DEFINE_string("speed_reference", "", "a policy stage dir whose training speed stands for the "
+                                  "demo's (an equal_wall lever's steps); '' = the base's policy")
 _SWEEP_MAX = flags.DEFINE_integer("sweep_max_samples", 700, "held-out samples the sweep scores per checkpoint")
 
 
@@ -98,7 +100,8 @@ def run_lever(name: str, lever: Lever, base: str, work: str) -> None:
         policy = os.path.join(out, "policy", "hf")
     steps = _STEPS.value
     if lever.equal_wall:
-        speed = policy_speed(os.path.join(out, "policy")) / policy_speed(os.path.join(base, "policy"))
+        reference = _SPEED_REF.value or os.path.join(base, "policy")
+        speed = policy_speed(os.path.join(out, "policy")) / policy_speed(reference)
         steps = max(CHECKPOINTS, int(round(steps * speed / CHECKPOINTS)) * CHECKPOINTS)
         print(f"=== {name}: policy speed {speed:.2f}x the demo's: {steps} judge steps for the demo's wall time")
     shards, run = os.path.join(base, "shards"), os.path.join(out, "train")
@@ -111,6 +114,7 @@ def run_lever(name: str, lever: Lever, base: str, work: str) -> None:
               timings, "sweep")
     with open(os.path.join(out, "lever.json"), "w") as f:
         json.dump({"lever": dataclasses.asdict(lever), "steps": steps, "policy": policy,
+                   "speed_reference": _SPEED_REF.value or None,
                    "wall_seconds": timings, "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
                   f, indent=2)
 
