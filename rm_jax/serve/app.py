@@ -20,6 +20,7 @@ import dataclasses
 import hmac
 import json
 import math
+import os
 import threading
 import time
 import uuid
@@ -36,6 +37,7 @@ from rm_jax.serve.batcher import Batcher, JobTooLarge, QueueFull, ShuttingDown
 from rm_jax.score.scorer import ScoreMode
 from rm_jax.serve.engine import KIND_CHAT, ChatInputError, kind_label
 from rm_jax.serve.inputs import BadSample, parse_request_sample
+from rm_jax.serve.map_budget import MapBudget
 from rm_jax.serve.metrics import ServerMetrics
 from rm_jax.serve.rollout import RolloutParser
 from rm_jax.serve.warmup import CompileCounter, log_progress, shape_ladder, warm_ladder
@@ -198,18 +200,23 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
     ready = threading.Event()
 
     def get_ready() -> None:
-        """Compile the ladder (live, not ready: /healthz says starting), then serve."""
-        try:
-            if settings.warmup:
-                shapes = shape_ladder(engine.scorer)
-                logging.info("compiling the shape ladder: %d shapes", len(shapes))
-                got = warm_ladder(engine.scorer, shapes, log_progress)
-                logging.info("shape ladder ready: %d shapes in %.1f s, %d compiles", got["shapes"], got["seconds"],
-                             got["compiles"])
-        finally:
-            batcher.start()         # requests admitted meanwhile waited in the queue
-            ready.set()
-            metrics.ready.set(1)
+        """Compile the ladder (live, not ready: /healthz says starting), then serve. A ladder that
+        fails is a failed start: the process exits with status 1 rather than serving shapes that
+        would compile (or crash) under traffic."""
+        if settings.warmup:
+            shapes = shape_ladder(engine.scorer)
+            logging.info("compiling the shape ladder: %d shapes", len(shapes))
+            try:
+                got = warm_ladder(engine.scorer, shapes, log_progress, budget=MapBudget.of_process())
+            except Exception as e:  # noqa: BLE001 -- any failure here ends the start, with its reason
+                logging.error("the server cannot start: %s", e)
+                logging.flush()
+                os._exit(1)
+            logging.info("shape ladder ready: %d shapes in %.1f s, %d compiles", got["shapes"], got["seconds"],
+                         got["compiles"])
+        batcher.start()         # requests admitted meanwhile waited in the queue
+        ready.set()
+        metrics.ready.set(1)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -34,6 +34,7 @@ from absl import logging
 from rm_jax.data import loader as loader_lib
 from rm_jax.data.render import JudgeInput
 from rm_jax.score.scorer import SUFFIX_ROOM, PrefixGroup, Scorer, ScoreItem, ScoreMode
+from rm_jax.serve.map_budget import MapBudget
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -177,13 +178,18 @@ def warm(scorer: Scorer, shape: LadderShape) -> None:
         jax.block_until_ready(result)
 
 
-def warm_ladder(scorer: Scorer, shapes: list[LadderShape], progress: Callable[[int, int, LadderShape], None] | None = None
-                ) -> dict:
-    """Warm every shape; returns {"shapes", "seconds", "compiles"} (compiles counted meanwhile)."""
+def warm_ladder(scorer: Scorer, shapes: list[LadderShape], progress: Callable[[int, int, LadderShape], None] | None = None,
+                budget: MapBudget | None = None) -> dict:
+    """Warm every shape; returns {"shapes", "seconds", "compiles"} (compiles counted meanwhile).
+    With a ``budget``, raises ``MapBudgetExceeded`` as soon as the rest of the ladder projects past
+    the process's mapping cap (rm_jax.serve.map_budget)."""
     counter = CompileCounter.install()
     before, t0 = counter.compiles, time.perf_counter()
+    mapped = budget.at_start if budget is not None else 0
     for k, shape in enumerate(shapes):
         warm(scorer, shape)
+        if budget is not None:
+            mapped = budget.check(k + 1, len(shapes), mapped)
         if progress is not None:
             progress(k + 1, len(shapes), shape)
     return {"shapes": len(shapes), "seconds": time.perf_counter() - t0, "compiles": counter.compiles - before}
