@@ -213,9 +213,9 @@ def test_expert_grads_in_compute_dtype(tiny_cfg, built_shards):
         builder = StepBuilder(model, optim.make_optimizer(ocfg, model), StepConfig(LossConfig(96, 512),
                               expert_grad_dtype=grad_dt, expert_accum_dtype=accum_dt), mesh)
         with jax.set_mesh(mesh):
-            grads, metrics = jax.jit(lambda p, r, b: builder._accumulate(p, r, b, with_grad=True))(
-                builder._params, builder.rest, host.batch)
-        out[(grad_dt, accum_dt)] = jax.device_get((jax.tree.leaves(grads), metrics, builder._expert_leaf))
+            grads, metrics = jax.jit(lambda p, r, b: builder.accumulate(p, r, b, with_grad=True))(
+                nnx.state(model, nnx.Param), builder.rest, host.batch)
+        out[(grad_dt, accum_dt)] = jax.device_get((jax.tree.leaves(grads), metrics, builder.expert_leaf))
     (g32, m32, is_expert), (g16, m16, _) = out[("", "")], out[("bfloat16", "")]
     assert m16["loss"] == m32["loss"]
     assert sum(is_expert) == 3 * 2          # gate, up, down of the 2 sparse layers
@@ -411,9 +411,10 @@ def test_context_lm_term_is_the_prompt_tail_nll_added_with_its_weight(tiny_cfg, 
     one = jax.tree.map(lambda x: x[0], host.batch)
     totals = (np.float32(host.batch.target_mask.sum()), np.float32(ctx.sum()), np.float32(1.0))
     with jax.set_mesh(mesh):
-        objective, extras = jax.jit(builder._micro_loss)(builder._params, builder.rest, one, totals, 1)
+        params = nnx.state(model, nnx.Param)     # what the builder split off the model
+        objective, extras = jax.jit(builder.micro_loss)(params, builder.rest, one, totals, 1)
         logits = jax.jit(lambda p, r, x: nnx.merge(builder.graphdef, p, r).forward_arrays(x).logits_btv)(
-            builder._params, builder.rest, one.inputs)
+            params, builder.rest, one.inputs)
     sums = jax.device_get(extras)
     ce_sum, n_tok, lb, ctx_sum, ctx_n = sums.ce_sum, sums.n_tokens, sums.lb, sums.context_sum, sums.context_n
     logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)

@@ -151,9 +151,10 @@ def test_value_term_is_the_verdict_token_nll_at_the_labelled_values(tiny_cfg, bu
     one = jax.tree.map(lambda x: x[0], host.batch)
     totals = (np.float32(one.target_mask.sum()), np.float32(1.0), np.float32((vt >= 0).sum()))
     with jax.set_mesh(mesh):
-        objective, extras = jax.jit(builder._micro_loss)(builder._params, builder.rest, one, totals, 1)
+        params = nnx.state(model, nnx.Param)     # what the builder split off the model
+        objective, extras = jax.jit(builder.micro_loss)(params, builder.rest, one, totals, 1)
         logits = jax.jit(lambda p, r, x: nnx.merge(builder.graphdef, p, r).forward_arrays(x).logits_btv)(
-            builder._params, builder.rest, one.inputs)
+            params, builder.rest, one.inputs)
     sums = jax.device_get(extras)
     tokens = result.manifest["verdict_tokens"]
     two = np.asarray(logits, np.float64)[..., [tokens["fail_id"], tokens["pass_id"]]]

@@ -113,11 +113,12 @@ class StepBuilder:
             # Casting earlier than the model does is only exact in the dtype it casts to.
             raise ValueError(f"expert_grad_dtype={cfg.expert_grad_dtype!r} must be '' or the compute "
                              f"dtype {compute!r}")
-        # Which flattened param leaves are routed-expert weights (logical axis "exp").
+        # expert_leaf[i]: whether the i-th flattened param leaf is a routed-expert weight (logical
+        # axis "exp"), the leaves `expert_grad_dtype` / `expert_accum_dtype` apply to.
         is_var = lambda x: isinstance(x, nnx.Variable)
-        self._expert_leaf = [("exp" in (v.get_metadata().get("out_sharding") or ()))
-                             for v in jax.tree.leaves(params, is_leaf=is_var)]
-        assert len(self._expert_leaf) == len(jax.tree.leaves(params))
+        self.expert_leaf = [("exp" in (v.get_metadata().get("out_sharding") or ()))
+                            for v in jax.tree.leaves(params, is_leaf=is_var)]
+        assert len(self.expert_leaf) == len(jax.tree.leaves(params))
 
     # -- state --------------------------------------------------------------------------------
 
@@ -137,9 +138,11 @@ class StepBuilder:
 
     # -- the pure functions ---------------------------------------------------------------------
 
-    def _micro_loss(self, params, rest, mb: StepBatch, totals, n_micro) -> tuple[jax.Array, LossSums]:
-        """``mb``: one microbatch (no A axis); ``totals``: the step's global counts of the target,
-        context and value terms, which each term's sum is divided by."""
+    def micro_loss(self, params, rest, mb: StepBatch, totals, n_micro) -> tuple[jax.Array, LossSums]:
+        """The objective one microbatch adds to the step's (what is differentiated), and its loss
+        sums. ``mb``: one microbatch (no A axis); ``totals``: the step's global counts of the
+        target, context and value terms, which each term's sum is divided by; ``n_micro``: the
+        microbatches in the step (the MoE aux losses are their mean)."""
         n_total, n_context, n_value = totals
         model = nnx.merge(self.graphdef, params, rest)
         read_layer = mb.value_target is not None and self.cfg.value_layer >= 0
@@ -182,9 +185,11 @@ class StepBuilder:
             return params
         dt = jnp.dtype(dtype)
         leaves, treedef = jax.tree.flatten(params)
-        return jax.tree.unflatten(treedef, [x.astype(dt) if low else x for x, low in zip(leaves, self._expert_leaf)])
+        return jax.tree.unflatten(treedef, [x.astype(dt) if low else x for x, low in zip(leaves, self.expert_leaf)])
 
-    def _accumulate(self, params, rest, batch: StepBatch, with_grad: bool):
+    def accumulate(self, params, rest, batch: StepBatch, with_grad: bool):
+        """A step's microbatches (the [A] axis) summed: the gradient of the step's objective in the
+        params' dtypes (None without ``with_grad``) and the step's metrics. Pure: jit it."""
         n_micro = batch.target_mask.shape[0]
         master = params
         if with_grad:
@@ -196,13 +201,13 @@ class StepBuilder:
         count = lambda m, on: jnp.maximum(jnp.sum(on(m).astype(jnp.float32)), 1.0) if m is not None else jnp.ones(())
         totals = (count(batch.target_mask, lambda m: m), count(batch.context_mask, lambda m: m),
                   count(batch.value_target, lambda m: m >= 0))
-        grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
+        grad_fn = jax.value_and_grad(self.micro_loss, has_aux=True)
 
         def body(carry, mb):
             if with_grad:
                 (_, extras), g = grad_fn(params, rest, mb, totals, n_micro)
             else:
-                _, extras = self._micro_loss(params, rest, mb, totals, n_micro)
+                _, extras = self.micro_loss(params, rest, mb, totals, n_micro)
                 g = None
             acc_g, acc = carry
             acc = jax.tree.map(jnp.add, acc, extras)
@@ -218,7 +223,7 @@ class StepBuilder:
                 (_, extras), grads = grad_fn(params, rest, mb, totals, 1)
                 grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)   # fused into the update
             else:
-                _, extras = self._micro_loss(params, rest, mb, totals, 1)
+                _, extras = self.micro_loss(params, rest, mb, totals, 1)
                 grads = None
             return grads, self._metrics(extras, n_micro=1, n_exp=n_exp, **on)
         # The accumulator is in the master dtype (fp32), except for the routed-expert leaves when
@@ -251,7 +256,7 @@ class StepBuilder:
 
     def _train_step(self, state: TrainState, rest, batch: StepBatch):
         self.trace_count += 1
-        grads, metrics = self._accumulate(state.params, rest, batch, with_grad=True)
+        grads, metrics = self.accumulate(state.params, rest, batch, with_grad=True)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics["grad_norm"] = optax.tree.norm(grads)
@@ -260,7 +265,7 @@ class StepBuilder:
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def _eval_step(self, params, rest, batch: StepBatch):
-        _, metrics = self._accumulate(params, rest, batch, with_grad=False)
+        _, metrics = self.accumulate(params, rest, batch, with_grad=False)
         return metrics
 
     def _eval_verdict_step(self, params, rest, batch: StepBatch, slot_b, pass_id: int, fail_id: int):
