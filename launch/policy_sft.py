@@ -64,7 +64,8 @@ def cached(out: str, key: str) -> bool:
         return json.load(f).get("key") == key
 
 
-def _run(args: list[str]) -> None:
+def run_stage(args: list[str]) -> None:
+    """One stage as its own process, ``python -m MODULE ARGS...`` in the repository; fails with it."""
     cmd = [sys.executable, "-m", *args]
     print(f"=== {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, check=True, cwd=REPO_ROOT)
@@ -92,10 +93,10 @@ def main(argv):
     stats = build_policy_shards(input_path, os.path.join(out, "shards"), cfg, tok_dir)
     logging.info("policy shards: %s", {k: stats[k] for k in ("read", "kept", "rejected_by_reason", "splits")})
     pinned = [f"--config.{o}" for o in POLICY_OVERRIDES]
-    _run(["launch.train", f"--config={config_path}", f"--workdir={out}/train", f"--config.data.dir={out}/shards",
+    run_stage(["launch.train", f"--config={config_path}", f"--workdir={out}/train", f"--config.data.dir={out}/shards",
           *overrides, *pinned, f"--config.train.steps={_STEPS.value}",
           f"--config.train.checkpoint_every={_STEPS.value}"])
-    _run(["launch.convert", "--to_hf", f"--ckpt={out}/train", f"--out={out}/hf"])
+    run_stage(["launch.convert", "--to_hf", f"--ckpt={out}/train", f"--out={out}/hf"])
     with open(os.path.join(out, "policy_cache.json"), "w") as f:
         json.dump({"key": key, "hf_dir": os.path.join(out, "hf"), "steps": _STEPS.value,
                    "shards": {k: stats[k] for k in ("read", "kept", "rejected_by_reason", "splits")}}, f, indent=2)

@@ -172,7 +172,7 @@ def test_policy_stage_cache_reused_when_unchanged_and_rebuilt_when_inputs_change
             (out / "hf" / "config.json").write_text("{}")
 
     monkeypatch.setattr(policy_lib, "build_policy_shards", fake_build)
-    monkeypatch.setattr(policy_sft, "_run", fake_run)
+    monkeypatch.setattr(policy_sft, "run_stage", fake_run)     # the stages are other tests' subject
 
     def stage(*extra):
         argv = ["policy_sft", f"--input={data}/samples.jsonl", f"--out={out}", "--steps=5", *extra]
