@@ -7,8 +7,8 @@ compile (SIGSEGV, or "Cannot allocate memory" with gigabytes free). A server's s
 hundred-odd shapes reaches that cap on CPU, so the ladder projects its need after each shape and
 stops with a ``MapBudgetExceeded`` that names the fixes, before the compile that would crash.
 
-GPU backends map little per executable, so the projection stays far below the cap there. Where
-``/proc`` is missing (not Linux) there is nothing to read and no check.
+The check runs wherever ``/proc`` has the counts (Linux); elsewhere there is nothing to read and no
+check.
 """
 
 from __future__ import annotations
