@@ -123,6 +123,30 @@ class Micro:
     pairs: np.ndarray          # split pair index per pair slot
 
 
+def empty_pair_slots(n: int) -> dict[str, np.ndarray]:
+    """``n`` pair slots of a microbatch, every one off (``pair_valid`` False, weight 0)."""
+    return {"pair_a": np.zeros(n, np.int32), "pair_b": np.zeros(n, np.int32),
+            "pair_p": np.full(n, 0.5, np.float32), "pair_m": np.zeros(n, np.float32),
+            "pair_w_raw": np.zeros(n, np.float32), "pair_group": np.full(n, -1, np.int64),
+            "pair_valid": np.zeros(n, bool)}
+
+
+def padded_images(pixels: list[np.ndarray], grids: list[np.ndarray], patch_dim: int, max_patches: int,
+                  max_images: int) -> tuple[np.ndarray, np.ndarray]:
+    """A microbatch's patches [max_patches, patch_dim] and grids [max_images, 3], zero-padded to the
+    run's static image budget; a microbatch over it is an error."""
+    pix_cat = np.concatenate(pixels) if pixels else np.zeros((0, patch_dim), np.float32)
+    grid_cat = np.concatenate(grids) if grids else np.zeros((0, 3), np.int32)
+    if len(pix_cat) > max_patches or len(grid_cat) > max_images:
+        raise ValueError(f"a microbatch holds {len(pix_cat)} patches / {len(grid_cat)} images, over "
+                         f"rm.max_patches={max_patches} / rm.max_images={max_images}")
+    pix_pad = np.zeros((max_patches, patch_dim), np.float32)
+    pix_pad[:len(pix_cat)] = pix_cat
+    grid_pad = np.zeros((max_images, 3), np.int32)
+    grid_pad[:len(grid_cat)] = grid_cat
+    return pix_pad, grid_pad
+
+
 def micro_arrays(split: PairSplit, micro: Micro, shape: BatchShape, mcfg, pad_id: int) -> dict:
     """Numpy arrays of one microbatch (right padding)."""
     c_rows, t = shape.rows, shape.length
@@ -144,24 +168,11 @@ def micro_arrays(split: PairSplit, micro: Micro, shape: BatchShape, mcfg, pad_id
     v = mcfg.vision
     pdim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2   # the vision tower's patch width
     pix = [x.reshape(-1, pdim) for x in pix]                            # (a text-only split stores width 1)
-    pix_cat = np.concatenate(pix) if pix else np.zeros((0, pdim), np.float32)
-    grid_cat = np.concatenate(grid) if grid else np.zeros((0, 3), np.int32)
-    if len(pix_cat) > shape.max_patches or len(grid_cat) > shape.max_images:
-        raise ValueError(f"a microbatch holds {len(pix_cat)} patches / {len(grid_cat)} images, over "
-                         f"rm.max_patches={shape.max_patches} / rm.max_images={shape.max_images}")
-    pix_pad = np.zeros((shape.max_patches, pdim), np.float32)
-    pix_pad[:len(pix_cat)] = pix_cat
-    grid_pad = np.zeros((shape.max_images, 3), np.int32)
-    grid_pad[:len(grid_cat)] = grid_cat
+    pix_pad, grid_pad = padded_images(pix, grid, pdim, shape.max_patches, shape.max_images)
     inputs = prepare_inputs(mcfg, ids, mask, pix_pad, grid_pad, attention="lengths",
                             frame_capacity=shape.frame_capacity)
     inputs = inputs.replace(kv_lengths_b=np.maximum(inputs.kv_lengths_b, 1))
-    n_p = shape.pairs
-    out = {"inputs": inputs, "response_mask": resp,
-           "pair_a": np.zeros(n_p, np.int32), "pair_b": np.zeros(n_p, np.int32),
-           "pair_p": np.full(n_p, 0.5, np.float32), "pair_m": np.zeros(n_p, np.float32),
-           "pair_w_raw": np.zeros(n_p, np.float32), "pair_group": np.full(n_p, -1, np.int64),
-           "pair_valid": np.zeros(n_p, bool)}
+    out = {"inputs": inputs, "response_mask": resp, **empty_pair_slots(shape.pairs)}
     for k, q in enumerate(micro.pairs):
         out["pair_a"][k] = row_of[int(split.pair_a[q])]
         out["pair_b"][k] = row_of[int(split.pair_b[q])]

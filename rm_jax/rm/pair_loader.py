@@ -29,6 +29,7 @@ import numpy as np
 from rm_jax.model import prepare_inputs
 from rm_jax.model.vision import vision_inputs
 from rm_jax.rm import pair_records
+from rm_jax.rm.data import empty_pair_slots, padded_images
 from rm_jax.train import distributed
 from rm_jax.train.host_batch import gather_images
 
@@ -128,12 +129,7 @@ def micro_arrays(groups: list[dict], cfg: PairLoaderConfig, mcfg, pad_id: int, p
     ids = np.full((n_rows, t), pad_id, np.int32)
     mask = np.zeros((n_rows, t), np.int32)
     resp = np.zeros((n_rows, t), np.int32)
-    pairs = {"pair_a": np.zeros(cfg.local_groups * Q, np.int32), "pair_b": np.zeros(cfg.local_groups * Q, np.int32),
-             "pair_p": np.full(cfg.local_groups * Q, 0.5, np.float32),
-             "pair_m": np.zeros(cfg.local_groups * Q, np.float32),
-             "pair_w_raw": np.zeros(cfg.local_groups * Q, np.float32),
-             "pair_group": np.full(cfg.local_groups * Q, -1, np.int64),
-             "pair_valid": np.zeros(cfg.local_groups * Q, bool)}
+    pairs = empty_pair_slots(cfg.local_groups * Q)
     pix, grid = [], []
     for k, g in enumerate(groups):
         r0, q0 = k * R, k * Q
@@ -155,15 +151,7 @@ def micro_arrays(groups: list[dict], cfg: PairLoaderConfig, mcfg, pad_id: int, p
         if len(g["grids"]):
             pix.append(np.asarray(g["pixels"]).reshape(-1, patch_dim))
             grid.append(np.asarray(g["grids"]).reshape(-1, 3))
-    pix_cat = np.concatenate(pix) if pix else np.zeros((0, patch_dim), np.float16)
-    grid_cat = np.concatenate(grid) if grid else np.zeros((0, 3), np.int32)
-    if len(pix_cat) > cfg.max_patches or len(grid_cat) > cfg.max_images:
-        raise ValueError(f"a microbatch holds {len(pix_cat)} patches / {len(grid_cat)} images, over "
-                         f"rm.max_patches={cfg.max_patches} / rm.max_images={cfg.max_images}")
-    pix_pad = np.zeros((cfg.max_patches, patch_dim), np.float32)
-    pix_pad[:len(pix_cat)] = pix_cat
-    grid_pad = np.zeros((cfg.max_images, 3), np.int32)
-    grid_pad[:len(grid_cat)] = grid_cat
+    pix_pad, grid_pad = padded_images(pix, grid, patch_dim, cfg.max_patches, cfg.max_images)
     inputs = prepare_inputs(mcfg, ids, mask, pix_pad, grid_pad, attention="lengths",
                             frame_capacity=cfg.frame_capacity)
     if cfg.process_count > 1:
