@@ -25,6 +25,7 @@ from rm_jax.train.metrics_log import read_metrics
 from rm_jax.train.step import StepBuilder, StepConfig, host_batch_to_device
 from rm_jax.train.loss import LossConfig
 from run_flags import OVERRIDES, TIMING, override_flags, train_cfg
+from step_probe import objective_and_logits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -410,14 +411,9 @@ def test_context_lm_term_is_the_prompt_tail_nll_added_with_its_weight(tiny_cfg, 
                                                       model), loop.step_config(cfg), mesh)
     one = jax.tree.map(lambda x: x[0], host.batch)
     totals = (np.float32(host.batch.target_mask.sum()), np.float32(ctx.sum()), np.float32(1.0))
-    with jax.set_mesh(mesh):
-        params = nnx.state(model, nnx.Param)     # what the builder split off the model
-        objective, extras = jax.jit(builder.micro_loss)(params, builder.rest, one, totals, 1)
-        logits = jax.jit(lambda p, r, x: nnx.merge(builder.graphdef, p, r).forward_arrays(x).logits_btv)(
-            params, builder.rest, one.inputs)
-    sums = jax.device_get(extras)
+    objective, sums, logits = objective_and_logits(builder, model, mesh, one, totals)
     ce_sum, n_tok, lb, ctx_sum, ctx_n = sums.ce_sum, sums.n_tokens, sums.lb, sums.context_sum, sums.context_n
-    logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
+    logp = jax.nn.log_softmax(logits, axis=-1)
     ids = np.asarray(one.inputs.input_ids_bt)
     b, t = np.nonzero(ctx)
     ref_ctx = -np.asarray(logp)[b, t - 1, ids[b, t]].mean()

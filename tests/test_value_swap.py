@@ -7,9 +7,8 @@ import os
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from rm_jax.data import synth, value_swap
+from rm_jax.data import synth
 from rm_jax.data.render import RESPONSE_HEADER
 from rm_jax.data.schema import Sample, read_samples
 from rm_jax.data.value_swap import VALUE_KEPT, VALUE_OFF, VALUE_SWAPPED, ValueClasses, swap_batch
@@ -19,6 +18,7 @@ from rm_jax.train.data_plan import BatchStream, RunPlan, loader_config
 from rm_jax.train.host_batch import TokenWeights, ValueCheck, assemble, frame_capacity
 from rm_jax.train.step import StepBuilder
 from run_flags import train_cfg
+from step_probe import objective_and_logits
 
 
 def test_response_span_is_the_judged_response(renderer, synth_dir):
@@ -150,14 +150,9 @@ def test_value_term_is_the_verdict_token_nll_at_the_labelled_values(tiny_cfg, bu
                                                       model), loop.step_config(cfg, result.manifest), mesh)
     one = jax.tree.map(lambda x: x[0], host.batch)
     totals = (np.float32(one.target_mask.sum()), np.float32(1.0), np.float32((vt >= 0).sum()))
-    with jax.set_mesh(mesh):
-        params = nnx.state(model, nnx.Param)     # what the builder split off the model
-        objective, extras = jax.jit(builder.micro_loss)(params, builder.rest, one, totals, 1)
-        logits = jax.jit(lambda p, r, x: nnx.merge(builder.graphdef, p, r).forward_arrays(x).logits_btv)(
-            params, builder.rest, one.inputs)
-    sums = jax.device_get(extras)
+    objective, sums, logits = objective_and_logits(builder, model, mesh, one, totals)
     tokens = result.manifest["verdict_tokens"]
-    two = np.asarray(logits, np.float64)[..., [tokens["fail_id"], tokens["pass_id"]]]
+    two = logits[..., [tokens["fail_id"], tokens["pass_id"]]]
     logp = two - np.logaddexp(two[..., :1], two[..., 1:])
     b, t = np.nonzero(vt >= 0)
     ref_value = -np.where(vt[b, t] == VALUE_SWAPPED, logp[b, t, 0], logp[b, t, 1]).mean()
