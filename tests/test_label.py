@@ -338,16 +338,7 @@ def test_kill9_mid_stream_then_resume_equals_uninterrupted(tmp_path, standin):
     cmd = [sys.executable, "-m", "launch.label", f"--input={inp}", f"--out={out}", f"--endpoint={standin.base_url}",
            f"--model={standin.model}", "--concurrency=2", "--thumbnail_edge=32"]
     env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if out.exists() and out.read_bytes().count(b"\n") >= 30:
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, "the labeller finished before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    n_before = len(_ids_safe(out))
+    n_before = _kill9_once_written(cmd, env, out, rows=30, timeout_s=120)
     assert 30 <= n_before < 160
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -703,16 +694,7 @@ def test_kill9_mid_run_then_resume_gives_the_same_set(teacher, label_input, refe
            f"--endpoint={proxy.url}", f"--model={teacher.model_id}", f"--image_endpoint={proxy.url}",
            "--concurrency=1", f"--timeout_s={TIMEOUT_S}", "--max_retries=12", "--thumbnail_edge=40"]
     try:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 240
-        while time.time() < deadline and proc.poll() is None:
-            if out.exists() and len(out.read_bytes().splitlines()) >= 8:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the labeller finished before it could be killed"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        n_before = len(_ids_safe(out))
+        n_before = _kill9_once_written(cmd, env, out, rows=8, timeout_s=240)
         assert 8 <= n_before < 30
         with open(out, "ab") as f:     # make sure the repair path runs: a torn tail as kill -9 leaves
             f.write(b'{"id": "p3-s1", "prompt_id": "p3", "mess')
@@ -730,6 +712,21 @@ def test_kill9_mid_run_then_resume_gives_the_same_set(teacher, label_input, refe
     got = {json.loads(x)["id"]: json.loads(x)["label"] for x in open(out)}
     assert got.keys() == ref.keys()
     assert {k: v["l3"] for k, v in got.items()} == {k: v["l3"] for k, v in ref.items()}
+
+
+def _kill9_once_written(cmd: list[str], env: dict, out, *, rows: int, timeout_s: float) -> int:
+    """Start the labeller ``cmd``, SIGKILL it once ``out`` holds ``rows`` lines; the ids it had
+    written whole."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= rows:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the labeller finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return len(_ids_safe(out))
 
 
 def _ids_safe(path) -> list[str]:
