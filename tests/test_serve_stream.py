@@ -142,6 +142,7 @@ def test_batcher_with_stream_answers_concurrent_jobs_and_drains(scorer, requests
     never = lambda kind, payloads: (_ for _ in ()).throw(AssertionError("the stream scores these"))
     batcher = Batcher(never, max_batch=BATCH, max_wait_s=0.005, max_queue=1024, stream=stream)
     batcher.start()
+    assert batcher.worker_alive
 
     async def go():
         return await asyncio.gather(*(batcher.submit(ScoreMode.P_PASS, r, len(r)) for r in requests))
@@ -154,7 +155,7 @@ def test_batcher_with_stream_answers_concurrent_jobs_and_drains(scorer, requests
     fut = loop.run_until_complete(_submit_then_stop(batcher, requests[1]))
     loop.close()
     np.testing.assert_allclose(fut, [x.p_pass for x in alone[1]], atol=1e-5)
-    assert not batcher._thread.is_alive()
+    assert not batcher.worker_alive
 
 
 async def _submit_then_stop(batcher, samples):

@@ -117,6 +117,12 @@ class Batcher:
     def depth(self) -> int:
         return self._depth
 
+    @property
+    def worker_alive(self) -> bool:
+        """Whether the device worker runs: False before ``start()``, and after a ``stop()`` that
+        answered every admitted job (``stop(timeout_s)`` may return while it still runs)."""
+        return self._thread.is_alive()
+
     def start(self) -> None:
         self._thread.start()
 
