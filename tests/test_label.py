@@ -534,7 +534,7 @@ class FaultProxy:
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                kind = proxy._next()
+                kind = proxy.next_kind()
                 with proxy.lock:
                     proxy.posts.append((kind, json.loads(body)))
                 if kind == "http_500":
@@ -558,7 +558,8 @@ class FaultProxy:
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
 
-    def _next(self) -> str:
+    def next_kind(self) -> str:
+        """The fault for the next POST ("ok" most of the time), in a fixed rotation."""
         with self.lock:
             n, self.n = self.n, self.n + 1
         if n % self.every == self.offset:
