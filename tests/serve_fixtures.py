@@ -109,11 +109,15 @@ class JudgeServer:
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def start(self) -> "JudgeServer":
+    def start_process(self) -> None:
+        """Launch the server and return at once (``start`` also waits for ready)."""
         cmd = [sys.executable, "-m", "launch.serve", f"--workdir={self.workdir}", f"--port={self.port}", *self.flags]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=server_env(self.cache_dir), stdout=self._log,
                                      stderr=subprocess.STDOUT)
+
+    def start(self) -> "JudgeServer":
+        self.start_process()
         deadline = time.time() + self.startup_timeout_s
         while True:
             if self.proc.poll() is not None:
