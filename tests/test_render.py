@@ -242,3 +242,77 @@ def test_tools_listing_signatures_template_and_none(sample_dir, renderer):
     for real in (qwen3_vl_30b_a3b.get_config(), qwen3_5_35b_a3b.get_config()):
         assert real.data.tools_listing == "template"
         assert real.data.tool_contract == judge_contracts.TOOL_CALL_CONTRACT
+
+
+def _keyorder_sample(sample_dir, args, history_args, unlisted_args):
+    """A passing tool-call sample whose listed tool has a nested schema; a history call of the same
+    tool and a call of an unlisted tool (no schema: sorted keys)."""
+    options = {"type": "object", "properties": {"seed": {"type": "integer"}, "style": {"type": "string"}}}
+    tool = {"type": "function", "function": {"name": "upscale_image", "parameters": {"type": "object", "properties": {
+        "image": {"type": "string"}, "resolution": {"type": "string"}, "options": options,
+        "layers": {"type": "array", "items": options}}, "required": ["image"]}}}
+    obj = {"id": "k1", "messages": [
+        {"role": "user", "content": "Upscale images/ref.png to 4K"},
+        {"role": "assistant", "content": "Trying.", "tool_calls": [
+            {"id": "h1", "type": "function", "function": {"name": "upscale_image", "arguments": history_args}}]},
+        {"role": "tool", "tool_call_id": "h1", "content": "{\"status\": \"error\"}"}],
+        "tools": [tool],
+        "response": {"content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "upscale_image", "arguments": args}},
+            {"id": "c2", "type": "function", "function": {"name": "describe", "arguments": unlisted_args}}]},
+        "label": {"l3": "pass", "reason": "ok", "issues": [], "img": None}}
+    return schema.parse_sample(obj, line=1, base_dir=str(sample_dir))
+
+
+def _reordered(value, rng):
+    """The same JSON value with every object's keys in a random order."""
+    if isinstance(value, dict):
+        keys = list(value)
+        return {keys[i]: _reordered(value[keys[i]], rng) for i in rng.permutation(len(keys))}
+    if isinstance(value, list):
+        return [_reordered(v, rng) for v in value]
+    return value
+
+
+def _spelled(value, rng):
+    """The value as the policy might send it: the object, or a JSON string (once or twice encoded)
+    with one of several whitespace styles."""
+    style = int(rng.integers(5))
+    if style == 0:
+        return value
+    kw = [{}, {"indent": 2}, {"separators": (",", ":")}, {"indent": "\t", "separators": (" ,", " :  ")}][style - 1]
+    text = json.dumps(value, ensure_ascii=False, **kw)
+    return json.dumps(text) if rng.random() < 0.3 else text
+
+
+def test_key_order_and_whitespace_do_not_reach_the_tokens(sample_dir, renderer):
+    """Argument keys permuted (nested too) and the JSON spelled with other whitespace or encodings:
+    the judge's and the policy's token ids are identical, and the canonical order is the schema's
+    (extra keys sorted after it; an unlisted tool's keys sorted)."""
+    from rm_jax.data.policy import PolicyRenderer
+    policy = PolicyRenderer(renderer.tokenizer, renderer.image_pre, renderer.cfg)
+    args = {"zeta": 1, "options": {"style": "oil", "seed": 7, "extra": [{"b": 1, "a": 2}]}, "resolution": "4K",
+            "image": "images/ref.png", "alpha": True,
+            "layers": [{"style": "ink", "seed": 1}, {"seed": 2, "style": "pen"}]}
+    history = {"resolution": "2K", "image": "images/ref.png"}
+    unlisted = {"verbose": False, "image": "images/ref.png", "detail": {"z": 0, "a": 1}}
+    rng = np.random.default_rng(0)
+    variants = [(args, history, unlisted)] + [
+        tuple(_spelled(_reordered(v, rng), rng) for v in (args, history, unlisted)) for _ in range(12)]
+    assert len({json.dumps(v[0]) for v in variants}) > 6        # the spellings really differ
+    judge_ids, policy_ids = set(), set()
+    for a, h, u in variants:
+        s = _keyorder_sample(sample_dir, a, h, u)
+        assert all(c.decoded for c in s.response.tool_calls)
+        judge_ids.add(renderer.render(s).input_ids.tobytes())
+        policy_ids.add(policy.render(s).input_ids.tobytes())
+    assert len(judge_ids) == 1 and len(policy_ids) == 1
+    flat = _flat(build_transcript(s))
+    assert ('"arguments": {"image": "images/ref.png", "resolution": "4K", "options": {"seed": 7, "style": "oil", '
+            '"extra": [{"a": 2, "b": 1}]}, "layers": [{"seed": 1, "style": "ink"}, {"seed": 2, "style": "pen"}], '
+            '"alpha": true, "zeta": 1}') in flat
+    assert '{"name": "upscale_image", "arguments": {"image": "images/ref.png", "resolution": "2K"}}' in flat
+    assert '{"name": "describe", "arguments": {"detail": {"a": 1, "z": 0}, "image": "images/ref.png", ' \
+           '"verbose": false}}' in flat
+    _, target, _ = policy.texts(s)
+    assert '"arguments": {"image": "images/ref.png", "resolution": "4K", "options": {"seed": 7,' in target

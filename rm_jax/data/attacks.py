@@ -185,11 +185,20 @@ def _count_change(s, rng, pools):
     return _with_response(s, content[:m.start()] + str(new) + content[m.end():])
 
 
+def _reversed_keys(value):
+    """The same JSON value with every object's keys, nested ones too, in reverse order."""
+    if isinstance(value, dict):
+        return {k: _reversed_keys(v) for k, v in reversed(list(value.items()))}
+    if isinstance(value, list):
+        return [_reversed_keys(v) for v in value]
+    return value
+
+
 def _key_order(s, rng, pools):
-    """Each call's argument keys in reverse order (same JSON object)."""
+    """Each call's argument keys in reverse order, at every level (same JSON object)."""
     if not any(isinstance(c.arguments, dict) and len(c.arguments) > 1 for c in s.response.tool_calls):
         return None
-    calls = tuple(dataclasses.replace(c, arguments=dict(reversed(list(c.arguments.items()))))
+    calls = tuple(dataclasses.replace(c, arguments=_reversed_keys(c.arguments))
                   if isinstance(c.arguments, dict) else c for c in s.response.tool_calls)
     return _with_response(s, s.response.content, calls)
 

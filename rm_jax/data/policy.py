@@ -26,13 +26,15 @@ from rm_jax.data import images as images_lib
 from rm_jax.data import target as target_lib
 from rm_jax.data.render import (JudgeInput, Renderer, _message_parts, _Parts, _tool_result, route_of,
                                 system_listing)
-from rm_jax.data.schema import ImageRef, Sample, SampleError
+from rm_jax.data.schema import ImageRef, Sample, SampleError, ToolCall
+from rm_jax.data.tool_args import canonical_arguments
 
 NOT_PASSING = "not_a_passing_response"
 
 
-def _call_dict(call) -> dict:
-    return {"function": {"name": call.name, "arguments": call.arguments}}
+def _call_dict(call: ToolCall, tools) -> dict:
+    # The judge's canonical argument order (tool_args): the policy learns the order it is judged in.
+    return {"function": {"name": call.name, "arguments": canonical_arguments(call, tools)}}
 
 
 class PolicyRenderer(Renderer):
@@ -49,7 +51,7 @@ class PolicyRenderer(Renderer):
                 _message_parts(out, msg)
             entry: dict = {"role": msg.role, "content": out.parts}
             if msg.tool_calls:
-                entry["tool_calls"] = [_call_dict(c) for c in msg.tool_calls]
+                entry["tool_calls"] = [_call_dict(c, sample.tools) for c in msg.tool_calls]
             chat.append(entry)
             images += out.images
         listing = system_listing(sample, self.cfg, self.guard)
@@ -64,7 +66,7 @@ class PolicyRenderer(Renderer):
         resp = sample.response
         msg: dict = {"role": "assistant", "content": self.guard(resp.content) if resp.content else None}
         if resp.tool_calls:
-            msg["tool_calls"] = [_call_dict(c) for c in resp.tool_calls]
+            msg["tool_calls"] = [_call_dict(c, sample.tools) for c in resp.tool_calls]
         return msg
 
     def texts(self, sample: Sample) -> tuple[str, str, list[ImageRef]]:

@@ -22,7 +22,9 @@ Transcript rules, each from a failure in the field report:
 * JSON-string tool content is shown as compact text; its image fields become image
   placeholders whose pixels go to the vision input at that spot.
 * The judged response is shown as the policy produced it: tool-call arguments decoded from the
-  server's repeated encodings (up to 4); when undecodable the raw string is shown.
+  server's repeated encodings (up to 4); when undecodable the raw string is shown. Decoded
+  arguments are written in canonical key order (``tool_args``: the tool schema's order, else
+  sorted), so key order and whitespace in the policy's JSON cannot move the judge's score.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import numpy as np
 from rm_jax.data import images as images_lib
 from rm_jax.data import target as target_lib
 from rm_jax.data.schema import ImageRef, Message, Sample, SampleError, ToolCall, resolve_image
+from rm_jax.data.tool_args import canonical_arguments
 from rm_jax.data.tool_content import ImageField, parse_tool_content
 
 ROUTE_TOOL_CALL = "tool_call"
@@ -131,9 +134,9 @@ def system_with_tools(system: str, sample: Sample, cfg: RenderConfig, guard) -> 
 # ---------------------------------------------------------------- transcript
 
 
-def _call_text(call: ToolCall, guard) -> str:
+def _call_text(call: ToolCall, tools: Sequence[dict], guard) -> str:
     # Undecodable arguments stay the raw string: the judge must see what the policy emitted.
-    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+    body = json.dumps({"name": call.name, "arguments": canonical_arguments(call, tools)}, ensure_ascii=False)
     return "<tool_call>\n" + guard(body) + "\n</tool_call>"
 
 
@@ -242,7 +245,7 @@ def build_transcript(sample: Sample, guard=_no_guard, *, with_response: bool = T
             out.markup(f"[{msg.role}]\n")
             _message_parts(out, msg)
             for call in msg.tool_calls:
-                out.markup(("\n" if msg.parts else "") + _call_text(call, g))
+                out.markup(("\n" if msg.parts else "") + _call_text(call, sample.tools, g))
         out.markup("\n")
     if not with_response:
         return out
@@ -257,7 +260,7 @@ def response_parts(out: _Parts, sample: Sample) -> None:
     if resp.content:
         out.text(resp.content)
     for j, call in enumerate(resp.tool_calls):
-        out.markup(("\n" if resp.content or j else "") + _call_text(call, out.guard))
+        out.markup(("\n" if resp.content or j else "") + _call_text(call, sample.tools, out.guard))
 
 
 def route_of(sample: Sample) -> str:
