@@ -3,8 +3,8 @@
 Transforms are checked on the synthetic samples (what each changes, what it leaves alone, the
 deterministic per-sample draw of a training variant). The audit runs end to end on a random-init
 tiny judge (``launch.audit``'s function): every transform reported, counts that add up, the
-batch invariance within 1e-5 in fp32, one attack's figures recomputed by scoring the pairs
-directly, and the intervals equal to scipy's bootstrap.
+batch, JSON-whitespace and key-order invariances within 1e-5 in fp32, one attack's figures
+recomputed by scoring the pairs directly, and the intervals equal to scipy's bootstrap.
 """
 
 import dataclasses
@@ -123,7 +123,7 @@ def test_audit_figures_equal_direct_scoring(judge_run, samples):
     from rm_jax.eval.audit import audit, target_samples
     _, scorer = judge_run
     subset = [s for s in samples if s.label.l3 == "fail"][:8] + [s for s in samples if s.label.l3 == "pass"][:8]
-    chosen = [attacks.BY_NAME[n] for n in ("injection", "swap_arg_value", "json_whitespace")]
+    chosen = [attacks.BY_NAME[n] for n in ("injection", "swap_arg_value", "json_whitespace", "key_order")]
     rec = audit(scorer, subset, seed=0, transforms=chosen)
     assert [r["name"] for r in rec["transforms"]] == [t.name for t in chosen]
     for r in rec["transforms"]:
@@ -131,6 +131,9 @@ def test_audit_figures_equal_direct_scoring(judge_run, samples):
     inv = rec["invariance_max_abs_delta"]
     assert inv["batch_alone"] <= 1e-5 and inv["batch_reordered"] <= 1e-5
     assert inv["json_whitespace"] <= 1e-5    # the contract decodes the string to the same object
+    assert inv["key_order"] <= 1e-5          # the renderers write arguments in canonical order
+    by_name = {r["name"]: r for r in rec["transforms"]}
+    assert by_name["key_order"]["n"] > 0 and by_name["json_whitespace"]["n"] > 0
 
     fails = target_samples(attacks.ATTACK, subset)
     t = attacks.BY_NAME["injection"]
@@ -163,7 +166,7 @@ def test_audit_file_writes_every_transform(judge_run, synth_dir, tmp_path, sampl
     assert [r["name"] for r in rec["transforms"]] == [t.name for t in attacks.TRANSFORMS]
     for r in rec["transforms"]:
         assert r["n"] + r["n_unscored"] + r["n_not_applicable"] == len(target_samples(r["kind"], samples[:n]))
-    assert all(v is not None and v <= 1e-5 for k, v in rec["invariance_max_abs_delta"].items() if k != "key_order")
+    assert all(v is not None and v <= 1e-5 for v in rec["invariance_max_abs_delta"].values())
 
 
 def test_adversarial_input_augments_the_training_split_only(synth_dir, tiny_cfg, renderer, tmp_path):
