@@ -316,3 +316,19 @@ def test_key_order_and_whitespace_do_not_reach_the_tokens(sample_dir, renderer):
            '"verbose": false}}' in flat
     _, target, _ = policy.texts(s)
     assert '"arguments": {"image": "images/ref.png", "resolution": "4K", "options": {"seed": 7,' in target
+
+
+def test_canonical_arguments_schema_shapes():
+    """A bare function object lists its schema too; a schema whose properties or items are not
+    objects orders nothing (keys sorted); an undecodable string is left as the policy wrote it."""
+    from rm_jax.data.schema import ToolCall
+    from rm_jax.data.tool_args import canonical_arguments, canonical_value
+    bare = {"name": "f", "parameters": {"properties": {"z": {}, "a": {}}}}
+    call = ToolCall("c", "f", {"a": 1, "b": 2, "z": 3}, 0, True)
+    assert list(canonical_arguments(call, [bare])) == ["z", "a", "b"]
+    assert list(canonical_arguments(call, [{"type": "function", "function": bare}])) == ["z", "a", "b"]
+    assert list(canonical_arguments(call, [])) == ["a", "b", "z"]
+    assert list(canonical_value({"y": 1, "x": 2}, {"properties": ["y"]})) == ["x", "y"]
+    assert [list(d) for d in canonical_value([{"y": 1, "x": 2}], {"items": [{"properties": {"y": {}}}]})] == [["x", "y"]]
+    raw = ToolCall("c", "f", '{"z": 3,  "a": 1', 0, False)
+    assert canonical_arguments(raw, [bare]) == '{"z": 3,  "a": 1'
