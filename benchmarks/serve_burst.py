@@ -21,9 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import tempfile
-import threading
 import time
 
 from absl import app, flags
@@ -36,12 +34,6 @@ flags.DEFINE_integer("max_new_tokens", 32, "decoding budget after the verdict")
 flags.DEFINE_string("compile_cache", "", "JAX persistent compilation cache dir")
 flags.DEFINE_bool("text_only", False, "rollouts without images")
 flags.DEFINE_bool("warmup", True, "compile the shape ladder before ready (--nowarmup: shapes compile during the burst)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _burst_in_child(url: str, texts: list[str], labels: list[str]) -> dict:
@@ -69,20 +61,13 @@ def main(argv):
 
     import httpx
     import jax
-    import uvicorn
     py_logging.getLogger("httpx").setLevel(py_logging.WARNING)
 
-    from configs.tiny import get_config
-    from rm_jax.data import synth
-    from rm_jax.data.render import Renderer
+    from benchmarks.loopback_server import ServerThread, tiny_engine
     from rm_jax.data.schema import Sample, read_samples
-    from rm_jax.model import init_model
     from rm_jax.rl.trl_reward import completion_text
-    from rm_jax.run_config import model_config, parse
-    from rm_jax.score.reward import RewardSettings
     from rm_jax.score.scorer import ScoreMode
     from rm_jax.serve.app import ServeSettings, create_app
-    from rm_jax.serve.engine import Engine
     from rm_jax.serve.warmup import CompileCounter
 
     f = flags.FLAGS
@@ -92,14 +77,7 @@ def main(argv):
     counter = CompileCounter.install()
     tmp = tempfile.mkdtemp()
     data = os.path.join(tmp, "data")
-    synth.write_dataset(data, n=2 * f.rollouts, seed=0)
-    cfg = get_config()
-    renderer = Renderer.from_config(cfg.data, os.path.join(data, "tokenizer"))
-    cfg.model.text_config.vocab_size = len(renderer.tokenizer)
-    run = parse(cfg)
-    model = init_model(model_config(run), seed=0)
-    engine = Engine(model=model, renderer=renderer, run_cfg=run, step=0, workdir=tmp, max_batch=f.max_batch,
-                    max_new_tokens=f.max_new_tokens, reward=RewardSettings())
+    engine = tiny_engine(tmp, data, 2 * f.rollouts, max_batch=f.max_batch, max_new_tokens=f.max_new_tokens)
     with open(os.path.join(data, "samples.jsonl")) as fh:
         raw = [json.loads(line) for line in fh]
     parsed = [s for s in read_samples(os.path.join(data, "samples.jsonl")) if isinstance(s, Sample)]
@@ -113,12 +91,9 @@ def main(argv):
     settings = ServeSettings(max_batch=f.max_batch, max_wait_ms=f.max_wait_ms, max_queue=f.max_queue, image_root=data,
                              warmup=f.warmup)
     asgi, fastapi_app = create_app(engine, settings)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=port, log_level="warning", access_log=False))
     t_start, compiles_start = time.perf_counter(), counter.compiles
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
+    server = ServerThread.start(asgi)
+    url = server.url
     saw_starting = False
     while True:
         try:
@@ -140,8 +115,7 @@ def main(argv):
     burst_compiles = counter.compiles - before_burst
     reg = fastapi_app.state.metrics.registry
     refused = reg.get_sample_value("rm_jax_requests_total", {"endpoint": "/get_reward", "status": "503"}) or 0.0
-    server.should_exit = True
-    thread.join(60)
+    server.stop()
 
     engine.scorer.score(parsed)              # the in-process peer, warmed up
     t0 = time.perf_counter()

@@ -29,9 +29,7 @@ import asyncio
 import json
 import os
 import random
-import socket
 import tempfile
-import threading
 import time
 
 from absl import app, flags
@@ -50,14 +48,10 @@ flags.DEFINE_integer("max_new_tokens", 32, "decoding budget after the verdict")
 flags.DEFINE_integer("seed", 0, "request mix")
 flags.DEFINE_float("stream_seconds", 60.0, "the in-process continuous-batching figure (no HTTP): half untimed")
 flags.DEFINE_bool("text_only", False, "pool without images: far fewer static shapes, so the warm-up ends sooner")
+flags.DEFINE_bool("warmup", True, "the server compiles its shape ladder before ready (--nowarmup: shapes compile "
+                  "in the warm-up windows instead)")
 flags.DEFINE_bool("client_process", True, "run the clients in a child process, as rollout workers are (False: in the "
                   "server's own process, where 64 clients' JSON and HTTP work contends for the server's GIL)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -169,18 +163,11 @@ def main(argv):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import logging as py_logging
 
-    import uvicorn
     py_logging.getLogger("httpx").setLevel(py_logging.WARNING)     # one INFO line per request otherwise
 
-    from configs.tiny import get_config
-    from rm_jax.data import synth
-    from rm_jax.data.render import Renderer
+    from benchmarks.loopback_server import ServerThread, tiny_engine
     from rm_jax.data.schema import Sample, read_samples
-    from rm_jax.model import init_model
-    from rm_jax.score.reward import RewardSettings
     from rm_jax.serve.app import ServeSettings, create_app
-    from rm_jax.serve.engine import Engine
-    from rm_jax.run_config import model_config, parse
 
     import jax
     f = flags.FLAGS
@@ -192,14 +179,7 @@ def main(argv):
         lambda event, _secs, **_kw: compiles.__setitem__(0, compiles[0] + (event == "/jax/core/compile/backend_compile_duration")))
     tmp = tempfile.mkdtemp()
     data = os.path.join(tmp, "data")
-    synth.write_dataset(data, n=max(3 * f.n, 24), seed=0)
-    cfg = get_config()
-    renderer = Renderer.from_config(cfg.data, os.path.join(data, "tokenizer"))
-    cfg.model.text_config.vocab_size = len(renderer.tokenizer)
-    run = parse(cfg)
-    model = init_model(model_config(run), seed=0)
-    engine = Engine(model=model, renderer=renderer, run_cfg=run, step=0, workdir=tmp, max_batch=f.max_batch,
-                    max_new_tokens=f.max_new_tokens, reward=RewardSettings())
+    engine = tiny_engine(tmp, data, max(3 * f.n, 24), max_batch=f.max_batch, max_new_tokens=f.max_new_tokens)
     with open(os.path.join(data, "samples.jsonl")) as fh:
         pool = [json.loads(line) for line in fh]
     parsed = [s for s in read_samples(os.path.join(data, "samples.jsonl")) if isinstance(s, Sample)]
@@ -223,16 +203,12 @@ def main(argv):
         return len(parsed) / (time.perf_counter() - t0)
     before = in_process()
 
-    settings = ServeSettings(max_batch=f.max_batch, max_wait_ms=f.max_wait_ms, max_queue=4096, image_root=data)
+    settings = ServeSettings(max_batch=f.max_batch, max_wait_ms=f.max_wait_ms, max_queue=4096, image_root=data,
+                             warmup=f.warmup)
     asgi, fastapi_app = create_app(engine, settings)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerThread.start(asgi)
+    server.wait_listening()
+    url = server.url
     if f.client_process:
         import concurrent.futures
         import multiprocessing
@@ -263,8 +239,7 @@ def main(argv):
     sum1 = reg.get_sample_value("rm_jax_batch_size_sum", {"kind": "score_full"}) or 0.0
     if f.client_process:
         clients_proc.shutdown()
-    server.should_exit = True
-    thread.join(60)
+    server.stop()
     after = in_process()
     inproc = (before + after) / 2
     # Back to back with the pool figure: the server's scheduling in-process (no HTTP).

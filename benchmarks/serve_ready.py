@@ -19,7 +19,6 @@ import logging
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,8 @@ import time
 
 import httpx
 from absl import app, flags
+
+from benchmarks.loopback_server import free_port
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "trained judge (launch.train --workdir)", required=True)
 _INPUT = flags.DEFINE_string("input", None, "samples JSONL the requests take (images relative to it)", required=True)
@@ -41,12 +42,6 @@ _URL = flags.DEFINE_string("url", None, "attach to a server already started (its
                            "measured here: read it from its log)")
 
 _COMPILES = re.compile(r"^rm_jax_xla_compiles (\S+)$", re.M)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _compiles(client: httpx.Client, url: str) -> int:
@@ -88,7 +83,7 @@ def main(argv):
     logging.getLogger("httpx").setLevel(logging.WARNING)     # one line per health poll otherwise
     with open(_INPUT.value) as f:
         pool = [json.loads(line) for _, line in zip(range(_POOL.value), f)]
-    port = _free_port()
+    port = free_port()
     url = _URL.value.rstrip("/") if _URL.value else f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "launch.serve", f"--workdir={_WORKDIR.value}", f"--port={port}",
            f"--max_batch={_MAX_BATCH.value}", f"--image_root={os.path.dirname(os.path.abspath(_INPUT.value))}",
