@@ -16,12 +16,11 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 from absl import app, flags, logging
 
-from launch.common import DEFAULT_CONFIG, REPO_ROOT, define_config_flag, parse_config
+from launch.common import DEFAULT_CONFIG, REPO_ROOT, define_config_flag, parse_config, run_stage
 
 _INPUT = flags.DEFINE_string("input", None, "samples JSONL (docs/contracts.md)", required=True)
 _OUT = flags.DEFINE_string("out", None, "stage directory", required=True)
@@ -64,13 +63,6 @@ def cached(out: str, key: str) -> bool:
         return json.load(f).get("key") == key
 
 
-def run_stage(args: list[str]) -> None:
-    """One stage as its own process, ``python -m MODULE ARGS...`` in the repository; fails with it."""
-    cmd = [sys.executable, "-m", *args]
-    print(f"=== {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, check=True, cwd=REPO_ROOT)
-
-
 def main(argv):
     from rm_jax.data.render import resolve_tokenizer_dir
 
@@ -93,10 +85,12 @@ def main(argv):
     stats = build_policy_shards(input_path, os.path.join(out, "shards"), cfg, tok_dir)
     logging.info("policy shards: %s", {k: stats[k] for k in ("read", "kept", "rejected_by_reason", "splits")})
     pinned = [f"--config.{o}" for o in POLICY_OVERRIDES]
-    run_stage(["launch.train", f"--config={config_path}", f"--workdir={out}/train", f"--config.data.dir={out}/shards",
-          *overrides, *pinned, f"--config.train.steps={_STEPS.value}",
-          f"--config.train.checkpoint_every={_STEPS.value}"])
-    run_stage(["launch.convert", "--to_hf", f"--ckpt={out}/train", f"--out={out}/hf"])
+    timings: dict = {}
+    run_stage("train", [f"--config={config_path}", f"--workdir={out}/train", f"--config.data.dir={out}/shards",
+                        *overrides, *pinned, f"--config.train.steps={_STEPS.value}",
+                        f"--config.train.checkpoint_every={_STEPS.value}"], timings, "policy_train")
+    run_stage("convert", ["--to_hf", f"--ckpt={out}/train", f"--out={out}/hf"], timings, "policy_convert")
+    logging.info("policy stage seconds: %s", timings)
     with open(os.path.join(out, "policy_cache.json"), "w") as f:
         json.dump({"key": key, "hf_dir": os.path.join(out, "hf"), "steps": _STEPS.value,
                    "shards": {k: stats[k] for k in ("read", "kept", "rejected_by_reason", "splits")}}, f, indent=2)

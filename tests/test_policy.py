@@ -165,9 +165,9 @@ def test_policy_stage_cache_reused_when_unchanged_and_rebuilt_when_inputs_change
         calls.append("build")
         return {"read": 1, "kept": 1, "rejected_by_reason": {}, "splits": {}}
 
-    def fake_run(args):
-        calls.append(args[0])
-        if args[0] == "launch.convert":
+    def fake_run(stage, args, timings, key):
+        calls.append(f"launch.{stage}")
+        if stage == "convert":
             (out / "hf").mkdir(parents=True, exist_ok=True)
             (out / "hf" / "config.json").write_text("{}")
 
