@@ -1,7 +1,7 @@
 """One command for the day a GPU host is at hand: do the GPU paths work, and how fast are they?
 
     python -m benchmarks.gpu_check            # one H100/H200, jax >= 0.11 with CUDA; < 5 minutes
-    python -m benchmarks.gpu_check --smoke    # any host: only the checks that run on CPU (stack_codec, choices)
+    python -m benchmarks.gpu_check --smoke    # any host: only the checks that run on CPU (5-8, reduced)
 
 Checks (each prints a row; the last line is one JSON object with every figure and a pass/fail per
 check; the exit status is 0 either way, so a failing check never hides the other figures):
@@ -23,6 +23,12 @@ check; the exit status is 0 either way, so a failing check never hides the other
    layer stack's loss and gradients bit-identical on this device, and the step time of both.
 6. ``attention_choice``: what ``train.attention`` of the 30B and 35B configs resolves to on this
    device for their head dims (and on sm 8.0 / 9.0, for the record), with the reasons.
+7. ``expert_grad_in_scan``: ``train.expert_grad_in_scan`` (the 35B's) against the plain
+   accumulation (a bf16 copy of the fp32 stack differentiated per microbatch and added to the
+   accumulator): the accumulated gradients bit-identical, and the compiled temp bytes of each.
+8. ``moment_copies``: a donated AdamW update with bf16 mu/nu (the 35B's): how many of the donated
+   moments the compiled program copies (XLA:CPU copies all of them: 15 GiB of the 35B plan's peak),
+   and its temp bytes.
 
 On a host without a GPU it says so and exits 0 (``tests/test_gpu_check.py``).
 """
@@ -376,19 +382,111 @@ def check_attention_choice() -> dict:
     return out
 
 
+def check_expert_grad_in_scan(layers: int = 8, width: int = 2048, batch: int = 2048, micro: int = 4) -> dict:
+    """An fp32 layer stack used in bf16 (as the MoE uses its expert weights), gradients summed
+    over ``micro`` microbatches into a bf16 accumulator: through ``layer_stack.GradSink`` and the
+    plain way; bit-identical sums, and each program's temp bytes."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from rm_jax.model import layer_stack
+
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jax.random.normal(rngs.params(), (width, width)) / width ** 0.5)
+
+        def __call__(self, x):
+            return jnp.tanh(x @ self.w[...].astype(jnp.bfloat16))
+
+    graphdef, state = nnx.split(layer_stack.LayerStack(Layer, layers, rngs=nnx.Rngs(0)))
+    xs = jax.random.normal(jax.random.key(1), (micro, batch, width), jnp.bfloat16)
+
+    def loss(state, x):
+        out, _ = nnx.merge(graphdef, state).apply(lambda layer, c, _: (layer(c), None), x, remat="full")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    def plain(state):
+        w = state["layers"]["w"][...].astype(jnp.bfloat16)
+
+        def body(acc, x):
+            st = jax.tree.map(lambda v: v, state)
+            st["layers"]["w"].set_value(w)
+            return acc + jax.grad(loss)(st, x)["layers"]["w"][...], None
+        return jax.lax.scan(body, jnp.zeros(w.shape, jnp.bfloat16), xs)[0]
+
+    def sunk(state):
+        def body(acc, x):
+            def with_sink(acc):
+                st = jax.tree.map(lambda v: v, state)
+                st["layers"]["w"].set_value(layer_stack.GradSink(state["layers"]["w"][...], acc, "bfloat16"))
+                return loss(st, x)
+            return jax.grad(with_sink)(acc), None
+        return jax.lax.scan(body, jnp.zeros(state["layers"]["w"].shape, jnp.bfloat16), xs)[0]
+
+    fns = {name: jax.jit(f) for name, f in (("plain", plain), ("in_scan", sunk))}
+    temp = {name: f.lower(state).compile().memory_analysis().temp_size_in_bytes / GIB for name, f in fns.items()}
+    a, b = fns["plain"](state), fns["in_scan"](state)
+    same = bool(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)))
+    stack = layers * width * width * 2 / GIB
+    log(f"expert_grad_in_scan ({layers} x [{width}, {width}], {micro} microbatches): sums bit-identical: {same}; "
+        f"temp plain {temp['plain'] * 1024:.1f} MiB, in scan {temp['in_scan'] * 1024:.1f} MiB (one bf16 stack "
+        f"{stack * 1024:.1f} MiB)  "
+        f"[{'pass' if same else 'FAIL'}]")
+    return {"bit_identical": same, "temp_gib": temp, "bf16_stack_gib": stack, "pass": same}
+
+
+def check_moment_copies(leaves: int = 6, shape: tuple = (16, 1024, 1024)) -> dict:
+    """A donated AdamW update (bf16 mu/nu, fp32 weights, the 35B's optimizer dtypes): how many
+    full-size moment copies the compiled program makes, and its temp bytes. XLA:CPU copies every
+    donated moment (15 GiB per device in the 35B plan: docs/experiments/memory-plan-35b.md); this
+    says whether the GPU's compile does too. A measurement: it passes when it compiles and runs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from rm_jax.train import optim
+    cfg = optim.OptimConfig(lr=1e-3, warmup_steps=1, total_steps=10, mu_dtype="bfloat16", nu_dtype="bfloat16")
+    params = {f"w{i}": jax.random.normal(jax.random.key(i), shape) for i in range(leaves)}
+    tx = optim.make_optimizer(cfg, params)
+
+    def step(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    fn = jax.jit(step, donate_argnums=(0, 1))
+    grads = jax.tree.map(lambda p: jnp.sin(p * 3.0), params)
+    compiled = fn.lower(params, jax.eval_shape(tx.init, params), grads).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes / GIB
+    dims = ",".join(map(str, shape))
+    copies = sum(1 for line in compiled.as_text().splitlines() if " copy(" in line and f"bf16[{dims}]" in line)
+    new_params, _ = fn(params, tx.init(params), grads)
+    ok = bool(all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new_params)))
+    moments_gib = 2 * leaves * int(np.prod(shape)) * 2 / GIB
+    log(f"moment_copies ({leaves} x {list(shape)} fp32, bf16 mu/nu, donated): {copies} full-size moment copies of "
+        f"{2 * leaves}, temp {temp * 1024:.1f} MiB (the moments are {moments_gib * 1024:.1f} MiB)  "
+        f"[{'pass' if ok else 'FAIL'}]")
+    return {"moment_copies": copies, "moments": 2 * leaves, "temp_gib": temp, "moments_gib": moments_gib, "pass": ok}
+
+
 CHECKS = {"flash_attention": check_flash_attention, "ragged_dot": check_ragged_dot,
           "train_step": check_train_step, "score_throughput": check_score_throughput,
-          "stack_codec": check_stack_codec, "attention_choice": check_attention_choice}
+          "stack_codec": check_stack_codec, "attention_choice": check_attention_choice,
+          "expert_grad_in_scan": check_expert_grad_in_scan, "moment_copies": check_moment_copies}
 # What --smoke runs on a CPU host (reduced shapes): the checks with no GPU-only kernel.
 SMOKE = {"stack_codec": lambda: check_stack_codec(layers=3, width=64, batch=32),
-         "attention_choice": check_attention_choice}
+         "attention_choice": check_attention_choice,
+         "expert_grad_in_scan": lambda: check_expert_grad_in_scan(layers=3, width=64, batch=32, micro=2),
+         "moment_copies": lambda: check_moment_copies(leaves=2, shape=(4, 64, 128))}
 
 
 def main() -> int:
     import jax
     ap = argparse.ArgumentParser(description="GPU paths check (see the module doc)")
     ap.add_argument("--smoke", action="store_true", help="only the checks that need no GPU (stack_codec, "
-                    "attention_choice), with reduced shapes: runs on any host")
+                    "attention_choice, expert_grad_in_scan, moment_copies), with reduced shapes: runs on any host")
     smoke = ap.parse_args().smoke
     backend = jax.default_backend()
     if backend != "gpu" and not smoke:

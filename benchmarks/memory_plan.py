@@ -90,7 +90,8 @@ flags.DEFINE_bool("bf16_reductions", None,
                   "converted bf16 stack (the global norm of the bf16 expert gradients) then materializes an f32 "
                   "copy of it, which a GPU reduction fusion does not (default: on for qwen3_5_35b_a3b)")
 flags.DEFINE_list("override", [], "config keys to change before compiling, as KEY=VALUE (e.g. "
-                  "train.expert_grad_dtype=, train.vocab_chunk=8192); values are parsed as ints when they are")
+                  "train.expert_grad_dtype=, train.vocab_chunk=8192, train.expert_grad_in_scan=false); values are parsed as "
+                  "ints when they are, true/false for a boolean key")
 flags.DEFINE_enum("model", "qwen3_vl_30b_a3b", ["qwen3_vl_30b_a3b", "qwen3_5_35b_a3b"],
                   "which configs/<model>.py to plan (the Qwen3.5 hybrid: its scan unit is one 4-layer block)")
 
@@ -356,7 +357,12 @@ def compile_variant(name, f):
         section, _, leaf = key.partition(".")
         if not sep or not leaf or section not in cfg or leaf not in cfg[section]:
             raise ValueError(f"--override={item!r}: expected SECTION.KEY=VALUE with an existing key")
-        cfg[section][leaf] = type(cfg[section][leaf])(value) if value.lstrip("-").isdigit() else value
+        if isinstance(cfg[section][leaf], bool):
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"--override={item!r}: expected true or false")
+            cfg[section][leaf] = value.lower() == "true"
+        else:
+            cfg[section][leaf] = type(cfg[section][leaf])(value) if value.lstrip("-").isdigit() else value
     cfg.moe.backend = backend
     # The config's attention (cuDNN flash on the target GPU) is what the chunked stand-in is;
     # planned as XLA, it compiles XLA's [B, N, T, S] attention instead.
@@ -476,7 +482,8 @@ def compiled_config(cfg, f) -> dict:
             "train.grad_accum": t.grad_accum, "train.global_batch": t.global_batch, "train.dtype": t.dtype,
             "train.param_dtype": t.param_dtype, "train.mu_dtype": t.mu_dtype, "train.nu_dtype": t.nu_dtype,
             "train.expert_grad_dtype": t.expert_grad_dtype, "train.expert_accum_dtype": t.expert_accum_dtype,
-            "train.remat": t.remat, "train.stack_codec": t.stack_codec}
+            "train.remat": t.remat, "train.stack_codec": t.stack_codec,
+            "train.expert_grad_in_scan": t.expert_grad_in_scan}
     barrier = use_bf16_gather(f) and cfg.moe.backend == "ragged"
     keys["cpu_stand_ins"] = ",".join(x for x, on in (("ragged_dot", f.gpu_kernels),
                                                       ("bf16_gather", f.gpu_kernels and barrier),

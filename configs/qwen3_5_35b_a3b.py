@@ -80,6 +80,10 @@ def get_config() -> ml_collections.ConfigDict:
     # The 35B's bf16 expert stacks enter the layer scan as packed bits (bit-identical; what the
     # memory plan compiles: XLA:CPU would slice f32 copies of each whole stack).
     cfg.train.stack_codec = "bf16_bits"
+    # Expert gradients summed into the bf16 accumulator inside the layer scan, from the fp32 master
+    # cast one layer at a time (equal to the plain path): no bf16 copy of the expert stacks and no
+    # per-microbatch expert gradient beside the accumulator (docs/operations.md's 35B table).
+    cfg.train.expert_grad_in_scan = True
     # Memory: the 30B recipe's grad_accum=4 and bf16 expert grads/accumulator, unchanged
     # (benchmarks/memory_plan.py --model=qwen3_5_35b_a3b; docs/operations.md's 35B table).
     return cfg

@@ -114,6 +114,9 @@ class TrainSection:
     nu_dtype: str = _field("", "Adam second moment storage dtype; '' = param dtype (bfloat16 needs b2 <= 0.99)")
     expert_grad_dtype: str = _field("", "routed-expert gradient dtype; '' = param dtype")
     expert_accum_dtype: str = _field("", "dtype expert gradients are summed in over microbatches; '' = param dtype")
+    expert_grad_in_scan: bool = _field(False, "sum routed-expert gradients into the accumulator inside the layer scan "
+                                       "(each layer's master slice cast there): no cast copy of the expert stacks and "
+                                       "no per-microbatch expert gradient (equal to the plain path)")
     remat: str = _field("none", "rematerialization policy: none | full | dots | dots_no_batch")
     attention: str = _field("auto", "auto | cudnn | xla | blocked (auto: CPU kernel on CPU, cuDNN flash when eligible)")
     scan_layers: bool = _field(True, "lax.scan over homogeneous runs of layers")

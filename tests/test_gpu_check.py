@@ -31,5 +31,7 @@ def test_gpu_check_smoke_runs_the_cpu_runnable_checks():
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last["smoke"] is True and last["all_pass"] is True, last
     assert last["checks"]["stack_codec"]["bit_identical"] is True
+    assert last["checks"]["expert_grad_in_scan"]["bit_identical"] is True
+    assert last["checks"]["moment_copies"]["moment_copies"] == 4    # XLA:CPU copies each donated bf16 moment
     choice = last["checks"]["attention_choice"]["qwen3_5_35b_a3b"]
     assert choice["head_dim"] == 256 and choice["sm9.0"]["impl"] == "cudnn" and choice["sm8.0"]["impl"] == "xla"

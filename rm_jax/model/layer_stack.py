@@ -24,13 +24,20 @@ Design choices:
   in place (it slices an f32 copy of the whole stack; a GPU slices bf16 directly, so there it
   costs nothing and changes nothing). Loss and gradients are bit-identical either way
   (tests/test_layer_stack_codec.py), so the memory plan compiles what training runs.
+* **Gradients summed inside the scan** (``GradSink``, ``train.expert_grad_in_scan``): a stacked
+  leaf may arrive as its master (e.g. fp32) together with a gradient accumulator. The scan casts
+  one layer's master slice at a time, and its backward pass adds that layer's gradient into the
+  accumulator's row in place, so a step holds neither a cast copy of the whole stack nor a
+  gradient stack beside the accumulator (tests/test_grad_sink.py: equal to the plain path).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -157,6 +164,54 @@ def stack_codec(name: str) -> StackCodec:
     return STACK_CODECS[name]
 
 
+@flax.struct.dataclass
+class GradSink:
+    """A stacked weight as ``LayerStack.apply`` takes it to sum its gradient into ``acc``.
+
+    Differentiated with respect to ``acc``, the stack's gradient is ``acc`` + the loss's gradient
+    for the weight: each layer's slice of ``master`` is cast to ``dtype`` inside the scan body (the
+    cast the model would make at use), and the backward pass adds the slice's gradient (in
+    ``dtype``, converted to ``acc``'s dtype) into ``acc``'s row, which the scan carries. ``master``
+    itself gets no gradient."""
+    master: jax.Array      # [L, ...] the stored weight
+    acc: jax.Array         # [L, ...] the running gradient sum
+    dtype: str = flax.struct.field(pytree_node=False)
+
+    def __getitem__(self, _):
+        raise TypeError("a GradSink weight is read only inside LayerStack.apply (train.expert_grad_in_scan needs "
+                        "every routed-expert weight in a layer stack)")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _sink_slice(master_k, acc_lk, i, dtype):
+    """Layer ``i``'s weight (its master slice cast to ``dtype``); ``acc_lk`` passes through, and
+    the backward pass adds the weight's gradient into its row ``i``."""
+    return master_k.astype(dtype), acc_lk
+
+
+def _sink_slice_fwd(master_k, acc_lk, i, dtype):
+    return (master_k.astype(dtype), acc_lk), i
+
+
+def _sink_slice_bwd(dtype, i, cts):
+    g_k, ct_lk = cts
+    row = jax.lax.dynamic_index_in_dim(ct_lk, i, 0, keepdims=False)
+    return None, jax.lax.dynamic_update_index_in_dim(ct_lk, row + g_k.astype(ct_lk.dtype), i, 0), None
+
+
+_sink_slice.defvjp(_sink_slice_fwd, _sink_slice_bwd)
+
+
+@jax.custom_vjp
+def _seed_sinks(carry, accs):
+    """``carry``; the accumulators' cotangent starts as their own value, so the backward scan's
+    additions leave ``acc + gradient`` (no zero-initialised gradient stack beside ``acc``)."""
+    return carry
+
+
+_seed_sinks.defvjp(lambda carry, accs: (carry, accs), lambda accs, ct: (ct, accs))
+
+
 def _prepend_layer_axis(var: nnx.Variable) -> nnx.Variable:
     names = var.get_metadata().get("out_sharding")
     if names:
@@ -186,26 +241,45 @@ class LayerStack(nnx.Module):
         """
         graphdef, state = nnx.split(self.layers)
         codec = stack_codec(codec) if scan and self.n > 1 else IDENTITY_CODEC
+        # GradSink leaves: the scan slices their masters; their accumulators ride in the carry.
+        is_sink = lambda x: isinstance(x, GradSink)
+        leaves, treedef = jax.tree.flatten(state, is_leaf=is_sink)
+        sinks = [(k, x) for k, x in enumerate(leaves) if is_sink(x)]
+        state = treedef.unflatten([x.master if is_sink(x) else x for x in leaves])
 
         def step(carry, inputs):
-            layer_state, x = inputs
-            return body(nnx.merge(graphdef, codec.decode(layer_state)), carry, x)
+            layer_state, x, i = inputs
+            layer_state = codec.decode(layer_state)
+            if sinks:
+                carry, accs = carry
+                layer_leaves = treedef.flatten_up_to(layer_state)
+                accs = list(accs)
+                for j, (k, sink) in enumerate(sinks):
+                    layer_leaves[k], accs[j] = _sink_slice(layer_leaves[k], accs[j], i, sink.dtype)
+                carry, y = body(nnx.merge(graphdef, treedef.unflatten(layer_leaves)), carry, x)
+                return (carry, tuple(accs)), y
+            return body(nnx.merge(graphdef, layer_state), carry, x)
 
-        if codec is not IDENTITY_CODEC and remat == "none":
-            # The decoded slice is recomputed in the backward pass, not saved: the scan's residuals
-            # are then the encoded stack itself, not a second, decoded stack.
+        if (codec is not IDENTITY_CODEC or sinks) and remat == "none":
+            # The decoded (or cast) slice is recomputed in the backward pass, not saved: the scan's
+            # residuals are then the encoded stack itself, not a second, decoded stack.
             step = jax.checkpoint(step, prevent_cse=False)
 
         if remat != "none":
             if remat not in REMAT_POLICIES:
                 raise ValueError(f"remat={remat!r}; expected 'none' or one of {sorted(REMAT_POLICIES)}")
             step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+        if sinks:
+            carry = (carry, tuple(sink.acc for _, sink in sinks))
+        layer_i = jnp.arange(self.n, dtype=jnp.int32)
         if scan and self.n > 1:
-            return jax.lax.scan(step, carry, (codec.encode(state), xs))
-        ys = []
-        for i in range(self.n):
-            sl = jax.tree.map(lambda a: a[i], (state, xs))
-            carry, y = step(carry, sl)
-            ys.append(y)
-        ys = None if ys[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys)
+            carry, ys = jax.lax.scan(step, carry, (codec.encode(state), xs, layer_i))
+        else:
+            ys = []
+            for i in range(self.n):
+                carry, y = step(carry, jax.tree.map(lambda a: a[i], (state, xs, layer_i)))
+                ys.append(y)
+            ys = None if ys[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys)
+        if sinks:
+            carry = _seed_sinks(*carry)
         return carry, ys

@@ -84,6 +84,7 @@ def step_config(cfg: RunConfig, manifest: dict | None = None) -> StepConfig:
     return StepConfig(loss=LossConfig(t.max_target_tokens, t.vocab_chunk), value_weight=value_weight,
                       value_tokens=value_tokens, value_ids=value_ids, value_layer=t.value_check_layer, lb_coef=cfg.moe.lb_coef, z_coef=cfg.moe.z_coef,
                       expert_grad_dtype=t.expert_grad_dtype, expert_accum_dtype=t.expert_accum_dtype,
+                      expert_grad_in_scan=t.expert_grad_in_scan,
                       context_weight=t.context_lm_weight, context_tokens=t.context_lm_tokens)
 
 

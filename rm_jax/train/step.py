@@ -33,6 +33,7 @@ from flax import nnx
 from rm_jax.model.decode import verdict_logits_at
 from rm_jax.model import placement
 from rm_jax.model.interface import JudgeInputs, JudgeModel
+from rm_jax.model.layer_stack import GradSink
 from rm_jax.train.loss import LossConfig, target_cross_entropy, value_check_cross_entropy
 
 
@@ -83,6 +84,9 @@ class StepConfig:
     z_coef: float = 0.0
     expert_grad_dtype: str = ""     # "" = the parameter dtype
     expert_accum_dtype: str = ""    # dtype expert gradients are summed in over microbatches ("" = param dtype)
+    # Routed-expert gradients summed into the accumulator inside the layer scan (layer_stack.GradSink):
+    # no cast copy of the expert stacks and no per-microbatch expert gradient beside the accumulator.
+    expert_grad_in_scan: bool = False
     # Context LM: next-token NLL on the prompt tokens `StepBatch.context_mask` marks, added to the
     # objective with this weight (its own token mean) and logged as `context_loss`. `loss` stays
     # the target-only cross-entropy. Off (0) in the report's recipe: an SFT policy already reads.
@@ -108,7 +112,7 @@ class StepBuilder:
         self.trace_count = 0          # a test asserts one trace per run
         self._params = params
         self._train = self._eval = self._eval_verdict = None
-        compute = model.cfg.runtime.dtype
+        compute = self._compute_dtype = model.cfg.runtime.dtype
         if cfg.expert_grad_dtype and jnp.dtype(cfg.expert_grad_dtype) != jnp.dtype(compute):
             # Casting earlier than the model does is only exact in the dtype it casts to.
             raise ValueError(f"expert_grad_dtype={cfg.expert_grad_dtype!r} must be '' or the compute "
@@ -187,12 +191,32 @@ class StepBuilder:
         leaves, treedef = jax.tree.flatten(params)
         return jax.tree.unflatten(treedef, [x.astype(dt) if low else x for x, low in zip(leaves, self.expert_leaf)])
 
+    def _add_grad(self, params, acc_g, rest, mb: StepBatch, totals, n_micro):
+        """((objective, LossSums), acc_g + the microbatch's gradient). With ``expert_grad_in_scan``
+        the expert leaves reach the model as ``GradSink(master, acc)``: differentiating with
+        respect to their accumulators gives the accumulators plus the gradient, summed layer by
+        layer in the scan's backward pass."""
+        if not self.cfg.expert_grad_in_scan:
+            out, g = jax.value_and_grad(self.micro_loss, has_aux=True)(params, rest, mb, totals, n_micro)
+            return out, jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc_g, g)
+        leaves, treedef = jax.tree.flatten(params)
+        acc_leaves = treedef.flatten_up_to(acc_g)
+
+        def loss(diff_leaves):
+            merged = [GradSink(m, d, self._compute_dtype) if e else d
+                      for m, d, e in zip(leaves, diff_leaves, self.expert_leaf)]
+            return self.micro_loss(treedef.unflatten(merged), rest, mb, totals, n_micro)
+        out, g = jax.value_and_grad(loss, has_aux=True)(
+            [a if e else x for x, a, e in zip(leaves, acc_leaves, self.expert_leaf)])
+        return out, treedef.unflatten([x if e else a + x.astype(a.dtype)
+                                       for a, x, e in zip(acc_leaves, g, self.expert_leaf)])
+
     def accumulate(self, params, rest, batch: StepBatch, with_grad: bool):
         """A step's microbatches (the [A] axis) summed: the gradient of the step's objective in the
         params' dtypes (None without ``with_grad``) and the step's metrics. Pure: jit it."""
         n_micro = batch.target_mask.shape[0]
         master = params
-        if with_grad:
+        if with_grad and not self.cfg.expert_grad_in_scan:
             params = self._grad_view(params)
         # Only the terms that are on travel (a term's mask may be in the batch with its weight 0).
         batch = batch.replace(context_mask=batch.context_mask if self.cfg.context_weight else None,
@@ -204,14 +228,12 @@ class StepBuilder:
         grad_fn = jax.value_and_grad(self.micro_loss, has_aux=True)
 
         def body(carry, mb):
+            acc_g, acc = carry
             if with_grad:
-                (_, extras), g = grad_fn(params, rest, mb, totals, n_micro)
+                (_, extras), acc_g = self._add_grad(params, acc_g, rest, mb, totals, n_micro)
             else:
                 _, extras = self.micro_loss(params, rest, mb, totals, n_micro)
-                g = None
-            acc_g, acc = carry
             acc = jax.tree.map(jnp.add, acc, extras)
-            acc_g = jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc_g, g) if with_grad else acc_g
             return (acc_g, acc), None
 
         n_exp = self._n_experts()
@@ -219,7 +241,12 @@ class StepBuilder:
         if n_micro == 1:
             # No scan: a second (accumulator) gradient tree would double gradient memory.
             mb = jax.tree.map(lambda x: x[0], batch)
-            if with_grad:
+            if with_grad and self.cfg.expert_grad_in_scan:
+                # (the expert accumulator starts at zero: one expert gradient buffer, no cast copy)
+                zeros_g = jax.tree.map(jnp.zeros_like, self._accum_view(master))
+                (_, extras), grads = self._add_grad(params, zeros_g, rest, mb, totals, 1)
+                grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
+            elif with_grad:
                 (_, extras), grads = grad_fn(params, rest, mb, totals, 1)
                 grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)   # fused into the update
             else:
