@@ -18,57 +18,42 @@ FULL_ATTENTION_INTERVAL = 4
 
 
 def hf_model_config() -> ml_collections.ConfigDict:
-    """HF-style Qwen3.5-MoE config (keys as in transformers' Qwen3_5MoeConfig)."""
-    specials = tiny.SPECIAL_TOKENS
-    return ml_collections.ConfigDict(dict(
-        model_type="qwen3_5_moe",
-        image_token_id=specials.index("<|image_pad|>"),
-        video_token_id=specials.index("<|video_pad|>"),
-        vision_start_token_id=specials.index("<|vision_start|>"),
-        vision_end_token_id=specials.index("<|vision_end|>"),
+    """HF-style Qwen3.5-MoE config (keys as in transformers' Qwen3_5MoeConfig): tiny's token ids and
+    vision tower (without deepstack, which Qwen3.5 does not have), a Qwen3.5 text stack."""
+    cfg = tiny.hf_model_config()
+    vision = cfg.vision_config.to_dict()
+    del vision["deepstack_visual_indexes"]
+    cfg.model_type = "qwen3_5_moe"
+    cfg.vision_config = ml_collections.ConfigDict(dict(model_type="qwen3_5_moe_vision", **vision))
+    cfg.text_config = ml_collections.ConfigDict(dict(
+        model_type="qwen3_5_moe_text",
+        vocab_size=4096,
+        hidden_size=64,
+        num_hidden_layers=N_LAYERS,
+        layer_types=tuple("full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+                          for i in range(N_LAYERS)),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=48,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        attention_bias=False,
+        # rotary dim 16 * 0.25 = 4: two frequency slots, split over the MRoPE axes as (1, 1, 0).
+        rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                             mrope_section=(1, 1, 0), mrope_interleaved=True),
         tie_word_embeddings=False,
-        text_config=dict(
-            model_type="qwen3_5_moe_text",
-            vocab_size=4096,
-            hidden_size=64,
-            num_hidden_layers=N_LAYERS,
-            layer_types=tuple("full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
-                              for i in range(N_LAYERS)),
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            shared_expert_intermediate_size=48,
-            rms_norm_eps=1e-6,
-            hidden_act="silu",
-            attention_bias=False,
-            # rotary dim 16 * 0.25 = 4: two frequency slots, split over the MRoPE axes as (1, 1, 0).
-            rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
-                                 mrope_section=(1, 1, 0), mrope_interleaved=True),
-            tie_word_embeddings=False,
-            max_position_embeddings=8192,
-        ),
-        vision_config=dict(
-            model_type="qwen3_5_moe_vision",
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            in_channels=3,
-            patch_size=8,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            out_hidden_size=64,
-            num_position_embeddings=64,
-        ),
+        max_position_embeddings=8192,
     ))
+    return cfg
 
 
 def get_config() -> ml_collections.ConfigDict:
