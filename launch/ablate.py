@@ -1,6 +1,7 @@
 """The field report's ablation table on the embedded default: `make ablation`.
 
   python -m launch.ablate --workdir=W [--n=10000] [--steps=500] [--policy_steps=300] [--seed=0]
+      [--base=assets/tiny_base]
 
 Every variant trains on the same synthetic set (one launch.synth run), with the same budget and
 seed, and changes one factor of the demo's recipe (verdict-first target, the policy's SFT
@@ -10,7 +11,9 @@ checkpoint as init, an unshifted stream):
   oversample_1   the recipe (stream = label share)  oversample_3   failures repeated x3
   policy_init    the recipe                         random_init    no policy checkpoint
 
-so verdict_first, oversample_1 and policy_init are one training run (the table says so). Each row
+so verdict_first, oversample_1 and policy_init are one training run (the table says so). With
+--base the data takes the base's tokenizer and the policy starts from the base, as in launch.demo;
+random_init stays a judge from random weights. Each row
 holds the judge_metrics keys of the checkpoint the sweep's declared rule chooses, and its step;
 reason-first is scored at the verdict slot found after decoding, as the scorer does. Two more rows
 take the recipe's run and pick its checkpoint by the lowest validation loss (`select_by_val_loss`)
@@ -24,7 +27,7 @@ import os
 
 from absl import app, flags
 
-from launch.common import DEFAULT_CONFIG, metrics_at, run_stage
+from launch.common import DEFAULT_CONFIG, metrics_at, resolve_base, run_stage
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "where everything is written", required=True)
 _N = flags.DEFINE_integer("n", 10000, "synthetic samples")
@@ -33,6 +36,8 @@ _POLICY_STEPS = flags.DEFINE_integer("policy_steps", 300, "policy SFT steps (sha
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data and training seed")
 _SWEEP_MAX = flags.DEFINE_integer("sweep_max_samples", 700, "held-out samples the sweep scores per checkpoint")
 _CONFIG = flags.DEFINE_string("config", DEFAULT_CONFIG, "config file for every stage")
+_BASE = flags.DEFINE_string("base", "", "a pretrained base (launch.pretrain_base --out) the policy starts from; "
+                            "'' = random init")
 
 REASON_FIRST = "('reason','l3','issues','img')"
 # run name -> (field order or None, oversample_fail, policy init)
@@ -49,9 +54,12 @@ def main(argv):
     data = os.path.join(work, "data")
     cfg = f"--config={_CONFIG.value}"
     timings: dict[str, float] = {}
-    run_stage("synth", [f"--out={data}", f"--n={_N.value}", f"--seed={_SEED.value}", "--fail_rate=0.3"], timings, "synth")
+    provenance, base_hf = resolve_base(_BASE.value)
+    run_stage("synth", [f"--out={data}", f"--n={_N.value}", f"--seed={_SEED.value}", "--fail_rate=0.3",
+                        *([f"--tokenizer={base_hf}"] if base_hf else [])], timings, "synth")
     run_stage("policy_sft", [f"--input={data}/samples.jsonl", f"--out={work}/policy", cfg,
-                        f"--steps={_POLICY_STEPS.value}", f"--config.seed={_SEED.value}"], timings, "policy_sft")
+                        f"--steps={_POLICY_STEPS.value}", f"--config.seed={_SEED.value}", f"--init_from={base_hf}"],
+              timings, "policy_sft")
     sweeps = {}
     for name, (order, oversample, policy) in RUNS.items():
         shards, run = os.path.join(work, f"shards_{'reason' if order else 'verdict'}_first"), os.path.join(work, name)
@@ -75,11 +83,14 @@ def main(argv):
     rows["select_by_val_loss"] = {"run": "recipe", **(metrics_at(recipe, val_step) if val_step is not None
                                                       else {"step": None, **{k: None for k in METRIC_KEYS}})}
     rows["select_by_rule"] = {"run": "recipe", **metrics_at(recipe, recipe["chosen"]["step"])}
-    out = {"workdir": work, "n": _N.value, "steps": _STEPS.value, "seed": _SEED.value, "rows": rows,
+    out = {"workdir": work, "n": _N.value, "steps": _STEPS.value, "seed": _SEED.value, "base": _BASE.value,
+           "base_steps": provenance.steps if provenance else None, "rows": rows,
            "wall_seconds": timings}
     with open(os.path.join(work, "ablation.json"), "w") as f:
         json.dump(out, f, indent=2)
-    lines = ["# Ablations", "", f"{_N.value} samples, {_STEPS.value} judge steps per run, seed {_SEED.value}.", "",
+    start = f"policy from the base {_BASE.value}" if base_hf else "policy from random init"
+    lines = ["# Ablations", "", f"{_N.value} samples, {_STEPS.value} judge steps per run, seed {_SEED.value}, {start}.",
+             "",
              "| row | run | step | accuracy | fail P | fail R | fail F1 | AUC | middle zone | img corr |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     pct = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731

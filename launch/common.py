@@ -8,6 +8,8 @@ from ml_collections import config_flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "tiny.py")
+# The embedded default's pretrained tiny base (launch.pretrain_base writes it; committed).
+DEFAULT_BASE = os.path.join("assets", "tiny_base")
 
 
 def define_config_flag(default: str = DEFAULT_CONFIG):
@@ -130,3 +132,19 @@ def metrics_at(sweep: dict, step: int) -> dict:
         return {"step": step, **{k: chosen[k] for k in METRIC_KEYS}}
     row = next(r for r in sweep["rows"] if r["step"] == step)
     return {"step": step, **{k: row.get(k, chosen[k]) for k in METRIC_KEYS}}
+
+
+def resolve_base(flag_value: str):
+    """--base: '' -> (None, ''); else the checked provenance and the base's HF dir (relative paths
+    from the repo root). A stale or missing base is a usage error naming the script that rebuilds it."""
+    from absl import app
+
+    from rm_jax.data.base_provenance import StaleBaseError, check_base
+    if not flag_value:
+        return None, ""
+    base = os.path.abspath(os.path.join(REPO_ROOT, flag_value))
+    try:
+        provenance = check_base(base)
+    except (StaleBaseError, FileNotFoundError) as e:
+        raise app.UsageError(f"--base={flag_value}: {e}") from None
+    return provenance, os.path.join(base, "hf")

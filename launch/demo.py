@@ -1,18 +1,23 @@
 """The whole pipeline on the embedded default, one command: `make demo`.
 
   python -m launch.demo [--workdir=runs/demo] [--n=10000] [--fail_rate=0.3] [--seed=0] [--train_steps=1000]
-      [--policy_steps=300] [--oversample_fail=0]
+      [--policy_steps=300] [--oversample_fail=0] [--base=assets/tiny_base] [--ablation=runs/ablation]
 
 Each stage runs through its own CLI (exactly what a user would type), timed:
-synth -> policy_sft (next-token SFT on the passing responses, exported with launch.convert --to_hf;
+[base check: a --base whose generator hash differs from rm_jax/data/synth.py today is refused] ->
+synth (with the base's tokenizer) -> policy_sft (from the base) (next-token SFT on the passing responses, exported with launch.convert --to_hf;
 cached by content hash under WORKDIR/policy) -> build_data -> train (the judge, initialized from the
 policy with train.init_from) -> sweep -> score. Writes WORKDIR/report.json (with a `chosen`
 object: the step and the judge_metrics keys), WORKDIR/report.md and WORKDIR/plots/ (the sweep's
-plots and the training curve). Runs from any directory.
+plots and the training curve). The report sets the chosen judge beside the field report's v3, the
+shortcut baseline and the presence rule on the held-out split, and lists the report's lessons with
+their figures: selection by rule against val loss from this run's sweep, the other three from a
+finished `make ablation` in --ablation when there is one. Runs from any directory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +27,11 @@ import time
 
 from absl import app, flags
 
-from launch.common import DEFAULT_CONFIG, REPO_ROOT
+from launch.common import DEFAULT_CONFIG, REPO_ROOT, metrics_at, resolve_base
+from rm_jax.data import build_rows
+from rm_jax.data.base_provenance import BaseProvenance
+from rm_jax.eval import lessons as lessons_lib
+from rm_jax.eval.presence import presence_aucs
 
 ROBUSTNESS_SAMPLES = 100   # failing held-out samples the sweep attacks per checkpoint
 
@@ -39,6 +48,10 @@ _POLICY_STEPS = flags.DEFINE_integer("policy_steps", 300, "policy SFT steps (0 =
 _OVERSAMPLE = flags.DEFINE_integer("oversample_fail", 0, "data.oversample_fail for the judge's stream (0 = the config's)")
 _SCORE_N = flags.DEFINE_integer("score_n", 64, "rows of the input scored by the score stage")
 _SWEEP_MAX = flags.DEFINE_integer("sweep_max_samples", 700, "held-out samples the sweep scores per checkpoint (0 = all)")
+_BASE = flags.DEFINE_string("base", "", "a pretrained base (launch.pretrain_base --out): its tokenizer "
+                            "and weights start the policy; '' = random init")
+_ABLATION = flags.DEFINE_string("ablation", "runs/ablation", "a finished launch.ablate workdir whose table the "
+                                "report's lessons quote (skipped when absent)")
 
 
 def _run(stage: str, args: list[str], timings: dict) -> None:
@@ -78,14 +91,15 @@ def main(argv):
     work = os.path.abspath(_WORKDIR.value)   # the stages run from the repo root
     os.makedirs(work, exist_ok=True)
     data, shards, run = (os.path.join(work, d) for d in ("data", "shards", "train"))
+    provenance, base_hf = resolve_base(_BASE.value)
     timings: dict[str, float] = {}
     t0 = time.time()
-    _run("synth", [f"--out={data}", f"--n={_N.value}", f"--seed={_SEED.value}", f"--fail_rate={_FAIL_RATE.value}"],
-         timings)
-    policy_hf = ""
+    _run("synth", [f"--out={data}", f"--n={_N.value}", f"--seed={_SEED.value}", f"--fail_rate={_FAIL_RATE.value}",
+                   *([f"--tokenizer={base_hf}"] if base_hf else [])], timings)
+    policy_hf = base_hf   # --policy_steps=0: the judge starts from the base (or random init)
     if _POLICY_STEPS.value:
         _run("policy_sft", [f"--input={data}/samples.jsonl", f"--out={work}/policy", f"--config={_CONFIG.value}",
-                            f"--steps={_POLICY_STEPS.value}"], timings)
+                            f"--steps={_POLICY_STEPS.value}", f"--init_from={base_hf}"], timings)
         policy_hf = os.path.join(work, "policy", "hf")
     oversample = [f"--config.data.oversample_fail={_OVERSAMPLE.value}"] if _OVERSAMPLE.value else []
     _run("build_data", [f"--input={data}/samples.jsonl", f"--out={shards}", f"--config={_CONFIG.value}", *oversample],
@@ -119,7 +133,10 @@ def main(argv):
     with open(os.path.join(work, "scores.jsonl")) as f:
         scores = [json.loads(line) for line in f]
     plots = collect_plots(work, run, sweep["plots"])
-    write_report(work, timings, stats, loader_info, sweep, scores, plots)
+    with open(f"{data}/samples.jsonl") as f:
+        presence = heldout_presence([json.loads(line) for line in f], shards)
+    lessons = report_lessons(sweep, os.path.abspath(_ABLATION.value))
+    write_report(work, timings, stats, loader_info, sweep, scores, plots, presence, lessons, provenance)
     print(f"\nreport: {work}/report.md")
 
 
@@ -138,13 +155,39 @@ def collect_plots(work: str, run: str, sweep_plots: dict) -> dict:
     return plots
 
 
-def write_report(work, timings, stats, loader_info, sweep, scores, plots) -> None:
+def heldout_presence(samples: list[dict], shards: str) -> dict:
+    """The presence rule (rm_jax.eval.presence) on the held-out split the sweep scores from."""
+    with open(os.path.join(shards, "manifest.json")) as f:
+        opts = json.load(f)["build_options"]
+    held = [s for s in samples if build_rows.split_of(s["prompt_id"], opts["heldout_fraction"],
+                                                      opts["split_seed"]) == "heldout"]
+    return presence_aucs(held)
+
+
+def report_lessons(sweep: dict, ablation_dir: str) -> dict:
+    """The report's lessons: selection from this run's sweep; the rest from a launch.ablate table."""
+    found = [lessons_lib.selection_lesson(sweep, metrics_at, "this run's sweep")]
+    path = os.path.join(ablation_dir, "ablation.json")
+    ablation = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            ablation = json.load(f)
+        found += lessons_lib.ablation_lessons(ablation["rows"], f"make ablation ({ablation['n']} samples, "
+                                              f"{ablation['steps']} judge steps, seed {ablation['seed']})")
+    return {"lessons": found, "ablation": path if ablation else None}
+
+
+def write_report(work, timings, stats, loader_info, sweep, scores, plots, presence, lessons, provenance) -> None:
     from rm_jax.eval.metrics import METRIC_KEYS
     chosen = {"step": sweep["chosen"]["step"], **{k: sweep["chosen"][k] for k in METRIC_KEYS}}
     scored = [s for s in scores if "error" not in s]
     report = {"workdir": work, "wall_seconds": timings, "chosen": chosen,
               "chosen_reason": sweep["chosen"]["reason"], "sweep_rows": sweep["rows"],
               "reward_validation": sweep["reward_validation"], "shortcut_baseline": sweep["shortcut_baseline"],
+              "presence_rule": presence, "base": dataclasses.asdict(provenance) if provenance else None,
+              "lessons": [{"name": ls.name, "holds": ls.holds, "source": ls.source, "note": ls.note,
+                           "comparisons": [dataclasses.asdict(c) | {"separated": c.separated}
+                                           for c in ls.comparisons]} for ls in lessons["lessons"]],
               "build_stats": stats, "loader": loader_info, "plots": plots,
               "score": {"rows": len(scores), "scored": len(scored), "errors": len(scores) - len(scored)}}
     with open(os.path.join(work, "report.json"), "w") as f:
@@ -158,8 +201,17 @@ def write_report(work, timings, stats, loader_info, sweep, scores, plots) -> Non
              f"{'met' if goal_auc else 'not met'}), middle zone {chosen['middle_zone']:.1%} (goal 5-40%: "
              f"{'met' if goal_mz else 'not met'}), accuracy {chosen['accuracy']:.1%} vs majority "
              f"{chosen['majority_baseline']:.1%}, fail F1 {chosen['fail_f1']:.1%}, img corr {_num(chosen['img_corr'])}.",
-             f"Shortcut baseline (length/format features only) AUC: {_num(sweep['shortcut_baseline'].get('auc'))}.",
-             "", *compared_with_field_report(chosen, sweep), "",
+             f"Shortcut baseline (length/format features only) AUC: {_num(sweep['shortcut_baseline'].get('auc'))}; "
+             f"presence rule (values of the response missing from the conversation) on the held-out split: "
+             f"{_num(presence['conversation'])}.",
+             "", base_line(provenance),
+             "", *compared_with_field_report(chosen, sweep, presence), "",
+             *presence_by_kind(sweep, presence), "",
+             "## The field report's lessons", "",
+             *lessons_lib.lesson_lines(lessons["lessons"]), "",
+             ("" if lessons["ablation"] else f"Reason-first, x3 oversampling and the policy start are measured by "
+              f"`make ablation` (about 25 minutes); no finished table was found at {_ABLATION.value}, so this "
+              "run does not show them."), "",
              "## Wall time by stage", "", "| stage | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in timings.items()]
     lines += ["", "## Data", "",
@@ -180,7 +232,26 @@ FIELD_REPORT_V3 = {"auc": 0.908, "middle_zone": 0.098, "accuracy": 0.937, "major
                    "zero_span": "0 of 20 steps"}
 
 
-def compared_with_field_report(chosen: dict, sweep: dict) -> list[str]:
+def base_line(provenance: BaseProvenance | None) -> str:
+    if provenance is None:
+        return "Start: the policy SFT from random init (no --base)."
+    return (f"Start: the pretrained tiny base (seed {provenance.data_seed}, {provenance.examples['kept']} LM "
+            f"examples, {provenance.steps} steps, held-out LM loss {_num(provenance.heldout_loss)}), then the "
+            "policy SFT from it, then the judge from the policy.")
+
+
+def presence_by_kind(sweep: dict, presence: dict) -> list[str]:
+    """Per failure kind: the chosen judge's AUC beside the presence rule's, on the same split."""
+    by_issue = sweep["chosen"].get("by_issue") or {}
+    lines = ["## Per failure kind: the judge against the presence rule", "",
+             "| kind | held-out failures | judge AUC | presence rule AUC |", "|---|---|---|---|"]
+    for kind, rule in presence["by_issue"].items():
+        judge = by_issue.get(kind, {})
+        lines.append(f"| {kind} | {rule['n']} | {_num(judge.get('auc_vs_pass'))} | {_num(rule['conversation'])} |")
+    return lines
+
+
+def compared_with_field_report(chosen: dict, sweep: dict, presence: dict) -> list[str]:
     rv = sweep["reward_validation"]
     bl, groups = rv["by_label"], rv["groups"]
     v3 = FIELD_REPORT_V3
@@ -199,7 +270,8 @@ def compared_with_field_report(chosen: dict, sweep: dict) -> list[str]:
              f"{_num(bl['pass']['rule_score'])} / {_num(bl['fail']['rule_score'])}"),
             ("GRPO zero-span groups", v3["zero_span"],
              f"{groups['zero_span_groups']} of {groups['groups_with_spread_possible']} groups"),
-            ("shortcut baseline AUC", "—", _num(sweep["shortcut_baseline"].get("auc")))]
+            ("shortcut baseline AUC", "—", _num(sweep["shortcut_baseline"].get("auc"))),
+            ("presence rule AUC (held-out)", "—", _num(presence["conversation"]))]
     return ["## Compared with the field report (v3)", "", "| figure | field report v3 | this run |",
             "|---|---|---|", *[f"| {a} | {b} | {c} |" for a, b, c in rows]]
 

@@ -1,13 +1,15 @@
 """The policy SFT stage: next-token loss on the passing responses, exported as an HF checkpoint.
 
   python -m launch.policy_sft --input=FILE --out=DIR [--config=configs/tiny.py] [--steps=400]
-      [--config.train.lr=...]
+      [--init_from=HF_DIR] [--config.train.lr=...]
 
 Writes DIR/shards/ (policy examples: rm_jax/data/policy.py), DIR/train/ (a launch.train run),
 DIR/hf/ (launch.convert --to_hf of its last step: what a judge run loads with
---config.train.init_from=DIR/hf) and DIR/policy_cache.json. The stage is cached by content hash:
-when the input file, its tokenizer, the config file, the overrides, the step count and the policy
-renderer's source are unchanged and DIR/hf exists, nothing runs again (``--force`` rebuilds).
+--config.train.init_from=DIR/hf) and DIR/policy_cache.json. ``--init_from`` starts the policy from
+a pretrained base (an HF dir with the same tokenizer) instead of random init. The stage is cached
+by content hash: when the input file, its tokenizer, the config file, the overrides, the start,
+the step count and the policy renderer's source are unchanged and DIR/hf exists, nothing runs
+again (``--force`` rebuilds).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ _OUT = flags.DEFINE_string("out", None, "stage directory", required=True)
 _TOKENIZER = flags.DEFINE_string("tokenizer", "", "tokenizer dir (default: <input folder>/tokenizer)")
 _STEPS = flags.DEFINE_integer("steps", 400, "policy training steps")
 _FORCE = flags.DEFINE_bool("force", False, "rebuild even when the cache key matches")
+_INIT_FROM = flags.DEFINE_string("init_from", "", "HF checkpoint dir the policy starts from (a pretrained base); "
+                                 "'' = random init")
 _CONFIG = define_config_flag()
 
 # The policy objective on the judge's trainer: the plain token mean over the response (no verdict
@@ -44,12 +48,13 @@ def config_overrides(argv: list[str]) -> list[str]:
 
 
 def cache_key(input_path: str, tokenizer_dir: str, config_path: str = DEFAULT_CONFIG, overrides: list[str] = (),
-              steps: int = 400) -> str:
+              steps: int = 400, init_from: str = "") -> str:
     from rm_jax.utils import file_sha256, tree_sha256
     h = hashlib.sha256()
     parts = {"input": file_sha256(input_path), "tokenizer": tree_sha256(tokenizer_dir),
              "config": file_sha256(config_path), "overrides": list(overrides), "steps": int(steps),
              "policy_overrides": list(POLICY_OVERRIDES),
+             "init_from": tree_sha256(init_from) if init_from else "",
              "sources": {p: file_sha256(os.path.join(REPO_ROOT, p)) for p in _SOURCES}}
     h.update(json.dumps(parts, sort_keys=True).encode())
     return h.hexdigest()
@@ -74,7 +79,10 @@ def main(argv):
     overrides = config_overrides(sys.argv[1:])
     cfg = parse_config(_CONFIG.value)
     tok_dir = os.path.abspath(resolve_tokenizer_dir(_TOKENIZER.value or cfg.data.tokenizer, input_path))
-    key = cache_key(input_path, tok_dir, config_path, overrides, _STEPS.value)
+    init_from = os.path.abspath(_INIT_FROM.value) if _INIT_FROM.value else ""
+    if init_from and not os.path.isfile(os.path.join(init_from, "config.json")):
+        raise app.UsageError(f"--init_from={_INIT_FROM.value}: no HF checkpoint there (no config.json)")
+    key = cache_key(input_path, tok_dir, config_path, overrides, _STEPS.value, init_from)
     if not _FORCE.value and cached(out, key):
         print(f"policy stage cached ({key[:12]}): reusing {out}/hf")
         return
@@ -87,7 +95,7 @@ def main(argv):
     pinned = [f"--config.{o}" for o in POLICY_OVERRIDES]
     timings: dict = {}
     run_stage("train", [f"--config={config_path}", f"--workdir={out}/train", f"--config.data.dir={out}/shards",
-                        *overrides, *pinned, f"--config.train.steps={_STEPS.value}",
+                        *overrides, *pinned, f"--config.train.init_from={init_from}", f"--config.train.steps={_STEPS.value}",
                         f"--config.train.checkpoint_every={_STEPS.value}"], timings, "policy_train")
     run_stage("convert", ["--to_hf", f"--ckpt={out}/train", f"--out={out}/hf"], timings, "policy_convert")
     logging.info("policy stage seconds: %s", timings)

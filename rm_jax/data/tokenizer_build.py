@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterable, Sequence
 
 from tokenizers import AddedToken
@@ -181,3 +182,22 @@ def write_tokenizer_dir(out_dir: str, corpus_texts: Iterable[str], vocab_size: i
     f = loaded("fail", add_special_tokens=False)["input_ids"]
     if not p or not f or p[0] == f[0]:
         raise AssertionError(f"'pass' and 'fail' must start with distinct tokens: {p} vs {f}")
+
+
+# What write_tokenizer_dir writes (save_pretrained and the image processor); an HF checkpoint
+# dir exported by launch.convert holds the same files beside its weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
+                   "special_tokens_map.json")
+REQUIRED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json")
+
+
+def copy_tokenizer_dir(src_dir: str, out_dir: str) -> None:
+    """Copies an existing tokenizer (a tokenizer dir, or an HF checkpoint dir) instead of training
+    one: data generated for a pretrained base must be read with the base's own ids."""
+    missing = [f for f in REQUIRED_TOKENIZER_FILES if not os.path.isfile(os.path.join(src_dir, f))]
+    if missing:
+        raise FileNotFoundError(f"{src_dir}: no tokenizer here (missing {', '.join(missing)})")
+    os.makedirs(out_dir, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src_dir, name)):
+            shutil.copy2(os.path.join(src_dir, name), os.path.join(out_dir, name))
