@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 
 from absl import app, flags
 from benchmarks.timing import median_seconds  # noqa: E402

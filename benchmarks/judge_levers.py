@@ -54,12 +54,6 @@ LEVERS = {
     "head_dim_32": Lever("head_dim 32 (4 heads, hidden 64 kept; MRoPE sections 8/4/4)",
                          model_flags=(f"{TEXT}head_dim=32", f"{TEXT}rope_parameters.mrope_section=(8,4,4)"),
                          own_policy=True),
-    "value_mid": Lever("swapped-value labels (weight 8, rate 0.3) read at layer 1 of 4",
-                       judge_flags=("--config.train.value_check_weight=8.0", "--config.train.value_check_rate=0.3",
-                                    "--config.train.value_check_layer=1")),
-    "curriculum": Lever("wrong_param failures with passes, inputs <= 160 tokens, for 300 steps; then all",
-                        judge_flags=("--config.train.curriculum_kind=wrong_param",
-                                     "--config.train.curriculum_steps=300", "--config.train.curriculum_max_len=160")),
 }
 
 _BASE = flags.DEFINE_string("base", None, "a finished launch.demo workdir (data, shards, policy, train/sweep.json)",

@@ -19,7 +19,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 from benchmarks.timing import median_seconds  # noqa: E402

@@ -35,10 +35,8 @@ _CONFIG = define_config_flag()
 
 # The policy objective on the judge's trainer: the plain token mean over the response (no verdict
 # slot to weight), no oversampling (every example passes), one checkpoint at the end.
-POLICY_OVERRIDES = ("train.verdict_weight=1.0", "train.context_lm_weight=0.0", "train.value_check_weight=0.0",
-                    "train.seen_check_weight=0.0",
-                    "data.oversample_fail=1",
-                    "train.max_target_tokens=192", "train.eval_every=0", "train.keep=1", "train.init_from=")
+POLICY_OVERRIDES = ("train.verdict_weight=1.0", "data.oversample_fail=1", "train.max_target_tokens=192",
+                    "train.eval_every=0", "train.keep=1")
 _SOURCES = ("rm_jax/data/policy.py", "rm_jax/data/render.py", "launch/policy_sft.py")
 
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from rm_jax.eval.presence import copy_match, read_presence_aucs
-
-__all__ = ["copy_match"]
+from rm_jax.eval.presence import read_presence_aucs
 
 _INPUT = flags.DEFINE_string("input", None, "samples JSONL (launch.synth --out=DIR: DIR/samples.jsonl)", required=True)
 

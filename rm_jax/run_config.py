@@ -123,23 +123,6 @@ class TrainSection:
     stack_codec: str = _field("none", "none | bf16_bits: bf16 layer stacks scanned as packed bits (bit-identical; "
                               "XLA:CPU otherwise slices an f32 copy of each whole stack)")
     verdict_weight: float = _field(8.0, "loss weight of the verdict token (1.0 = plain token mean)")
-    context_lm_weight: float = _field(0.0, "weight of the context LM term (predict the judged response); 0 = off")
-    context_lm_tokens: int = _field(128, "prompt tokens before the target the context LM term predicts")
-    context_lm_passing_only: bool = _field(False, "context LM on passing responses only")
-    value_check_weight: float = _field(0.0, "weight of the swapped-value term (rm_jax.data.value_swap); 0 = off")
-    value_check_rate: float = _field(0.5, "share of passing examples with one value swapped")
-    value_check_tokens: int = _field(32, "labelled value positions per example (static)")
-    value_check_verdict: bool = _field(False, "a swapped example trains its verdict token as fail")
-    seen_check_weight: float = _field(0.0, "weight of the seen-token term (rm_jax.data.seen_tokens); 0 = off")
-    seen_check_tokens: int = _field(64, "labelled positions per example (static)")
-    seen_check_values_only: bool = _field(False, "label only the value classes' tokens")
-    seen_check_cumulative: bool = _field(False, "label 'a new value so far' at every position up to the slot")
-    value_check_layer: int = _field(-1, "decoder layer whose output the value/seen-check term reads (through the "
-                                        "final norm and head); -1 = the final hidden state")
-    curriculum_kind: str = _field("", "teacher issue whose failures (with the passes) the first curriculum_steps "
-                                      "draw (rm_jax.train.curriculum); '' = off")
-    curriculum_steps: int = _field(0, "steps drawn from that early set before the full stream")
-    curriculum_max_len: int = _field(0, "longest input (tokens) in the early set; 0 = any")
     max_target_tokens: int = _field(96, "static per-example target budget (checked, never truncated)")
     vocab_chunk: int = _field(2048, "vocabulary chunk of the cross-entropy")
     max_patches: int = _field(4096, "vision patches per microbatch (static)")
@@ -163,27 +146,6 @@ class TrainSection:
             raise ConfigError(f"train.attention={self.attention!r}; expected one of {tuple(ATTENTION_IMPLS)}")
         if self.stack_codec not in STACK_CODECS:
             raise ConfigError(f"train.stack_codec={self.stack_codec!r}; expected one of {tuple(STACK_CODECS)}")
-        if self.context_lm_weight and self.context_lm_tokens <= 0:
-            raise ConfigError(f"train.context_lm_weight={self.context_lm_weight} needs train.context_lm_tokens > 0 "
-                              f"(got {self.context_lm_tokens})")
-        if self.seen_check_weight:
-            if self.value_check_weight:
-                raise ConfigError("train.seen_check_weight and train.value_check_weight share the per-position "
-                                  "loss; set one of them")
-            if self.seen_check_tokens <= 0:
-                raise ConfigError(f"train.seen_check_tokens={self.seen_check_tokens}: must be > 0")
-        if bool(self.curriculum_kind) != (self.curriculum_steps > 0):
-            raise ConfigError(f"train.curriculum_kind={self.curriculum_kind!r} and train.curriculum_steps="
-                              f"{self.curriculum_steps}: set both (a kind and steps > 0) or neither")
-        if self.curriculum_max_len < 0:
-            raise ConfigError(f"train.curriculum_max_len={self.curriculum_max_len}: must be >= 0 (0 = any length)")
-        if self.value_check_layer < -1:
-            raise ConfigError(f"train.value_check_layer={self.value_check_layer}: must be -1 (the last) or a layer index")
-        if self.value_check_weight:
-            if not 0.0 < self.value_check_rate <= 1.0:
-                raise ConfigError(f"train.value_check_rate={self.value_check_rate}: must be in (0, 1]")
-            if self.value_check_tokens <= 0:
-                raise ConfigError(f"train.value_check_tokens={self.value_check_tokens}: must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,10 +288,7 @@ def parse(cfg: Any) -> RunConfig:
             kwargs[name] = _coerce(value, top[name].default, name)
     run = RunConfig(**kwargs)
     if "model" in d:
-        layers = model_config(run).text.num_hidden_layers   # the architecture refuses what it cannot represent
-        if run.train.value_check_layer >= layers:
-            raise ConfigError(f"train.value_check_layer={run.train.value_check_layer}: the model has {layers} "
-                              f"layers (0..{layers - 1}; -1 = the last)")
+        model_config(run)   # the architecture refuses what it cannot represent
     return run
 
 

@@ -8,7 +8,6 @@ writes, the per-row key lengths, and the MRoPE positions of generated tokens (ma
 position + 1 + step, which is not len + step once an image is in the prompt).
 """
 
-import dataclasses
 import os
 
 import jax

@@ -152,7 +152,7 @@ def test_contracts_name_every_entry_point_and_flag():
 
 
 def test_config_keys_in_prose_exist():
-    """A config key the docs name in backticks (`train.value_check_weight`, `data.max_len=640`) is a
+    """A config key the docs name in backticks (`train.verdict_weight`, `data.max_len=640`) is a
     key of the embedded default or of the scalar RM's config."""
     configs = [load_config(os.path.join(REPO, "configs", name)) for name in ("tiny.py", "rm_tiny.py")]
     key = re.compile(r"`(?:--config\.)?((?:data|train|mesh|moe|rm)\.[a-z_][a-z0-9_.]*[a-z0-9_])(?:=[^`]*)?`")

@@ -1,6 +1,5 @@
 """The convenience API caches its graph split; updates to the model must still be seen."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

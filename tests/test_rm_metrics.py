@@ -1,7 +1,6 @@
 """Ranking and calibration metrics against scipy / scikit-learn and brute force."""
 
 import itertools
-import math
 
 import numpy as np
 import pytest

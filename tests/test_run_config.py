@@ -77,9 +77,6 @@ def test_unknown_top_level_key_is_refused():
 
 @pytest.mark.parametrize("changes, match", [
     (dict(global_batch=16, grad_accum=3), "global_batch=16 is not divisible by train.grad_accum=3"),
-    (dict(seen_check_weight=1.0, value_check_weight=1.0), "share the per-position loss"),
-    (dict(context_lm_weight=0.5, context_lm_tokens=0), r"needs train\.context_lm_tokens > 0"),
-    (dict(value_check_weight=1.0, value_check_rate=1.5), r"value_check_rate=1\.5: must be in \(0, 1\]"),
     (dict(eval_every=-1), r"train\.eval_every=-1: must be >= 0"),
     (dict(attention="flash"), r"train\.attention='flash'; expected one of"),
 ])

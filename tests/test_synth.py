@@ -11,12 +11,17 @@ import json
 import os
 import re
 import string
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+from sklearn.metrics import roc_auc_score
 
 from configs import judge_contracts, tiny
+from launch.common import REPO_ROOT
 from rm_jax.data import synth
+from rm_jax.eval.presence import copy_match, read_presence_aucs
 
 N = 2000
 
@@ -431,8 +436,7 @@ def test_rule_violating_samples_get_the_gate_or_the_penalty(tmp_path):
 
 
 def test_copy_match_diagnostic():
-    """launch.synth_diagnose's score: the share of a response's pool values seen before it."""
-    from launch.synth_diagnose import copy_match
+    """The presence rule's score (launch.synth_diagnose, the demo report): the share of a response's pool values seen before it."""
     call = {"id": "c", "type": "function", "function": {"name": "generate_image", "arguments": {
         "prompt": "a red star", "aspect_ratio": "4:3", "count": 2}}}
     sample = {"messages": [{"role": "system", "content": "sys"},
@@ -448,7 +452,6 @@ def test_copy_match_diagnostic():
 
 def test_copy_match_reads_the_request_without_a_system_prompt():
     """The synthetic conversations open with the user's request (no system turn): it is read."""
-    from launch.synth_diagnose import copy_match
     call = {"id": "c", "type": "function", "function": {"name": "generate_image", "arguments": {
         "prompt": "a red star", "count": 2}}}
     sample = {"messages": [{"role": "user", "content": "I need 2 images: a red star."}],
@@ -456,3 +459,24 @@ def test_copy_match_reads_the_request_without_a_system_prompt():
     assert copy_match(sample) == (1.0, 1.0)
     sample["messages"][0]["content"] = "I need 3 images: a blue circle."
     assert copy_match(sample) == (0.0, 0.0)
+
+
+def test_presence_rule_reads_the_request(tmp_path):
+    """On the synthetic data the presence rule's evidence is the user's request (messages[0]): its
+    AUC equals scikit-learn's over the per-sample scores, and blanking the requests takes most of
+    it away; launch.synth_diagnose prints that same AUC."""
+    synth.write_dataset(str(tmp_path / "d"), n=600, seed=11, fail_rate=0.3, with_tokenizer=False)
+    path = tmp_path / "d" / "samples.jsonl"
+    samples = [json.loads(line) for line in open(path)]
+    assert all(s["messages"][0]["role"] == "user" for s in samples)
+    got = read_presence_aucs(str(path))
+    y = [s["label"]["l3"] == "fail" for s in samples]
+    assert got["conversation"] == pytest.approx(roc_auc_score(y, [-copy_match(s)[0] for s in samples]))
+    for s in samples:
+        s["messages"][0]["content"] = "please help"
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    assert got["conversation"] > read_presence_aucs(str(blank))["conversation"] + 0.05
+    out = subprocess.run([sys.executable, "-m", "launch.synth_diagnose", f"--input={path}"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert f"AUC conversation {got['conversation']:.3f}" in out

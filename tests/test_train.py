@@ -20,7 +20,7 @@ from rm_jax.sharding import make_mesh
 from rm_jax.train import loop, optim
 from rm_jax.train.data_plan import BatchStream, RunPlan, loader_config
 from rm_jax.train.evaluate import VerdictSlot, evaluate
-from rm_jax.train.host_batch import TokenWeights, assemble, context_mask, frame_capacity
+from rm_jax.train.host_batch import assemble, frame_capacity
 from rm_jax.train.metrics_log import read_metrics
 from rm_jax.train.step import StepBuilder, StepConfig, host_batch_to_device
 from rm_jax.train.loss import LossConfig
@@ -61,12 +61,11 @@ def _two_steps(cfg, mesh_shape, backend, devices):
     # token's embedding row) becomes a +-lr step whose sign is summation-order noise.
     ocfg = optim.OptimConfig(lr=1e-3, warmup_steps=1, total_steps=2, eps=1e-4)
     builder = StepBuilder(model, optim.make_optimizer(ocfg, model),
-                          StepConfig(LossConfig(96, 512), lb_coef=0.01, context_weight=0.5, context_tokens=32),
+                          StepConfig(LossConfig(96, 512), lb_coef=0.01),
                           mesh, optim.schedule(ocfg))
     state = builder.init_state()
     stream = BatchStream(cfg.data.dir, "train", loader_config(cfg, plan, split="train"), 1)
-    host = assemble(mcfg, stream.next(), frame_capacity(cfg, mcfg),
-                         TokenWeights(context_tokens=32, image_token_id=mcfg.image_token_id))
+    host = assemble(mcfg, stream.next(), frame_capacity(cfg, mcfg), cfg.train.verdict_weight)
     batch = host_batch_to_device(host.batch, builder.batch_shardings(host.batch))
     with jax.set_mesh(mesh):
         fn = builder.jit_train(state, batch)
@@ -75,7 +74,7 @@ def _two_steps(cfg, mesh_shape, backend, devices):
     return jax.device_get(m1), jax.device_get(m2), jax.device_get(state.params)
 
 
-def _assert_same_steps(ref, got, keys=("loss", "context_loss", "lb_loss", "grad_norm")):
+def _assert_same_steps(ref, got, keys=("loss", "lb_loss", "grad_norm")):
     (a1, a2, pa), (b1, b2, pb) = ref, got
     for k in keys:
         np.testing.assert_allclose(b1[k], a1[k], rtol=2e-5)
@@ -86,7 +85,7 @@ def _assert_same_steps(ref, got, keys=("loss", "context_loss", "lb_loss", "grad_
 
 
 def test_sharded_step_equals_single_device(tiny_cfg, built_shards):
-    """The same step (with the context LM term on) on (data=2, expert=4) with ring EP and on one device."""
+    """The same step (the verdict token weighted) on (data=2, expert=4) with ring EP and on one device."""
     single = _two_steps(_cfg(tiny_cfg, built_shards[0]), dict(data=1), "ragged", jax.devices()[:1])
     _assert_same_steps(single, _two_steps(_cfg(tiny_cfg, built_shards[0]), dict(data=2, expert=4), "ep_ring",
                                           jax.devices()))
@@ -365,63 +364,28 @@ def test_every_checkpoint_damaged_starts_over_with_them_set_aside(tmp_path):
     again.close()
 
 
-def test_context_mask_marks_the_prompt_tail_before_the_target():
-    """The last K prompt tokens before each target, without image placeholders; padding rows,
-    label-less rows and (passing_only) failing rows get none."""
-    img = 5
-    ids = np.array([[9, 8, img, img, 7, 6, 4, 3, 0, 0],
-                    [9, 8, 7, 6, 5 + 1, 4, 3, 2, 1, 0],
-                    [9, 8, 7, 6, 4, 3, 2, 1, 0, 0],
-                    [0] * 10])
-    target = np.zeros_like(ids)
-    target[0, 6:8] = 1
-    target[1, 3:9] = 1
-    target[2, 5:8] = 1
-    b = {"input_ids": ids, "target_mask": target, "example_valid": np.array([1, 1, 1, 0]),
-         "label": np.array([0, 0, 1, 0])}
-    got = context_mask(b, 4, img, passing_only=False)
-    want = np.zeros(ids.shape, np.float32)
-    want[0, [4, 5]] = 1           # tokens 2..5, less the two image pads
-    want[1, [1, 2]] = 1           # K reaches past the start: token 0 has no predecessor
-    want[2, 1:5] = 1
-    np.testing.assert_array_equal(got, want)
-    want[2] = 0                   # a failing response is not modelled with passing_only
-    np.testing.assert_array_equal(context_mask(b, 4, img, passing_only=True), want)
-
-
-@pytest.mark.slow   # an off-by-default loss term (train.context_lm_weight=0): suite time
-def test_context_lm_term_is_the_prompt_tail_nll_added_with_its_weight(tiny_cfg, built_shards):
-    """`context_loss` is the mean next-token NLL (from the model's own logits) over the marked
-    prompt tokens; the objective is `loss + weight * context_loss`; `loss` stays target-only."""
-    cfg = _cfg(tiny_cfg, built_shards[0], context_lm_weight=0.5, context_lm_tokens=24)
+@pytest.mark.slow   # one more compile of the objective: suite time
+def test_objective_is_the_weighted_target_nll_plus_the_aux_losses(tiny_cfg, built_shards):
+    """The objective one microbatch contributes is the verdict-weighted target NLL (from the model's
+    own logits, over the step's target weight) plus the load-balancing term; ``loss`` is that NLL."""
+    cfg = _cfg(tiny_cfg, built_shards[0])
+    assert cfg.train.verdict_weight != 1.0        # the weighting is exercised
     mesh = make_mesh(dict(data=1), devices=jax.devices()[:1], num_experts=8, global_batch=4)
     plan = RunPlan(total_steps=1, micro_batch=4, accumulation=1, steps_per_epoch=10.0)
     model, mcfg = loop.build_model(cfg, mesh)
     stream = BatchStream(cfg.data.dir, "train", loader_config(cfg, plan, split="train"), 1)
-    micro = stream.next()
-    host = assemble(mcfg, micro, frame_capacity(cfg, mcfg), TokenWeights.from_config(cfg.train, mcfg))
-    ctx = host.batch.context_mask[0]
-    with pytest.raises(ValueError, match="needs train.context_lm_tokens > 0"):
-        _cfg(tiny_cfg, built_shards[0], context_lm_weight=0.5, context_lm_tokens=0)
-    first = np.argmax(micro[0]["target_mask"] > 0, axis=1)
-    for row, f in enumerate(first):
-        window = micro[0]["input_ids"][row, f - 24:f]
-        assert f > 24 and ctx[row].sum() == (window != mcfg.image_token_id).sum()
+    host = assemble(mcfg, stream.next(), frame_capacity(cfg, mcfg), cfg.train.verdict_weight)
     builder = StepBuilder(model, optim.make_optimizer(optim.OptimConfig(lr=1e-3, warmup_steps=1, total_steps=2),
                                                       model), loop.step_config(cfg), mesh)
     one = jax.tree.map(lambda x: x[0], host.batch)
-    totals = (np.float32(host.batch.target_mask.sum()), np.float32(ctx.sum()), np.float32(1.0))
-    objective, sums, logits = objective_and_logits(builder, model, mesh, one, totals)
-    ce_sum, n_tok, lb, ctx_sum, ctx_n = sums.ce_sum, sums.n_tokens, sums.lb, sums.context_sum, sums.context_n
+    assert (one.target_mask == cfg.train.verdict_weight).sum() == host.n_examples
+    objective, sums, logits = objective_and_logits(builder, model, mesh, one, np.float32(one.target_mask.sum()))
     logp = jax.nn.log_softmax(logits, axis=-1)
     ids = np.asarray(one.inputs.input_ids_bt)
-    b, t = np.nonzero(ctx)
-    ref_ctx = -np.asarray(logp)[b, t - 1, ids[b, t]].mean()
-    np.testing.assert_allclose(ctx_sum / ctx_n, ref_ctx, rtol=1e-5)
     tb, tt = np.nonzero(one.target_mask)
     ref_target = -(np.asarray(logp)[tb, tt - 1, ids[tb, tt]] * one.target_mask[tb, tt]).sum() / one.target_mask.sum()
-    np.testing.assert_allclose(ce_sum / n_tok, ref_target, rtol=1e-5)
-    np.testing.assert_allclose(objective, ref_target + 0.5 * ref_ctx + cfg.moe.lb_coef * lb, rtol=1e-5)
+    np.testing.assert_allclose(sums.ce_sum / sums.n_tokens, ref_target, rtol=1e-5)
+    np.testing.assert_allclose(objective, ref_target + cfg.moe.lb_coef * sums.lb, rtol=1e-5)
 
 
 @pytest.mark.slow   # validation cadence and its metrics stay in the default suite: suite time

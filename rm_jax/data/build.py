@@ -27,7 +27,7 @@ import numpy as np
 from absl import logging
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from rm_jax.data import build_chunks, build_rows, records, value_swap
+from rm_jax.data import build_chunks, build_rows, records
 from rm_jax.data.build_rows import split_of  # noqa: F401 -- part of this module's API
 from rm_jax.data.render import ROUTE_TEXT_ONLY, ROUTE_TOOL_CALL, Renderer
 from rm_jax.utils import file_sha256, package_versions, tree_sha256
@@ -226,10 +226,6 @@ def _write_reports(plan: BuildPlan, parts: list[build_chunks.ChunkPart]) -> Buil
     oversampling = {"factor": opts.oversample_fail, "split": "train", "train_fail": n_fail, "train_pass": n_pass,
                     "stream_fail": n_fail * opts.oversample_fail,
                     "stream_total": n_pass + n_fail * opts.oversample_fail}
-    collector = value_swap.ClassCollector(renderer.tokenizer)
-    for p in parts:
-        collector.update(p.value_hits)
-    value_classes = collector.classes()
     text_lengths = [n for p in parts for n in p.text_lengths]
     total_lengths = [n for p in parts for n in p.total_lengths]
     too_long = sum(len(p.too_long_lengths) for p in parts)
@@ -255,8 +251,6 @@ def _write_reports(plan: BuildPlan, parts: list[build_chunks.ChunkPart]) -> Buil
         "splits": {s: {"examples": split_info[s]["examples"], "prompts": len(prompts_by_split[s])}
                    for s in records.SPLITS},
         "oversampling": oversampling,
-        "value_classes": {"classes": len(value_classes.classes),
-                          "tokens": sum(len(c) for c in value_classes.classes)},
         "chunks": len(parts),
     }
     manifest = {
@@ -277,8 +271,6 @@ def _write_reports(plan: BuildPlan, parts: list[build_chunks.ChunkPart]) -> Buil
         "eos_id": int(renderer.eos_id),
         "splits": split_info,
         "oversampling": oversampling,
-        # interchangeable single-token argument values (rm_jax.data.value_swap; train.value_check_*)
-        "value_classes": value_classes.to_json(),
         "packages": package_versions(),
     }
     _write_rejects(out_dir, rejects)

@@ -71,7 +71,6 @@ class ChunkBuilder:
         self.total_lengths: list[int] = []
         self.image_tokens = self.n_images = 0
         self.balance = {r: {"pass": 0, "fail": 0} for r in (ROUTE_TOOL_CALL, ROUTE_TEXT_ONLY)}
-        self.value_hits: list[list] = []
         self._writers: dict[str, object] = {}
         self._bytes = {s: 0 for s in records.SPLITS}
         self._count = {s: 0 for s in records.SPLITS}
@@ -106,7 +105,6 @@ class ChunkBuilder:
         self.image_tokens += k.n_image_tokens
         self.n_images += k.n_images
         self.balance[k.route]["fail" if k.label == 1 else "pass"] += 1
-        self.value_hits.extend([list(h) for h in k.value_hits])
 
     def _write(self, split: str, raw: bytes) -> None:
         w = self._writers.get(split)
@@ -130,8 +128,7 @@ class ChunkBuilder:
             fingerprint=self.fingerprint, chunk=self.chunk, read=self.read, parsed_ids=self.parsed_ids,
             rejects=self.rejects, too_long_lengths=self.too_long, flagged=dict(sorted(self.flagged.items())),
             splits=self.splits, text_lengths=self.text_lengths, total_lengths=self.total_lengths,
-            image_tokens=self.image_tokens, n_images=self.n_images, balance=self.balance,
-            value_hits=self.value_hits)
+            image_tokens=self.image_tokens, n_images=self.n_images, balance=self.balance)
         part.write(self.out_dir)
         return part
 
@@ -155,7 +152,6 @@ class ChunkPart:
     image_tokens: int
     n_images: int
     balance: dict[str, dict[str, int]]
-    value_hits: list[list]
 
     def write(self, out_dir: str) -> None:
         path = part_path(out_dir, self.chunk)

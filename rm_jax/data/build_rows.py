@@ -11,7 +11,7 @@ import hashlib
 
 import numpy as np
 
-from rm_jax.data import records, value_swap
+from rm_jax.data import records
 from rm_jax.data.render import JudgeInput, Renderer
 from rm_jax.data.schema import Reject, Sample, SampleError, parse_line
 
@@ -44,7 +44,6 @@ class KeptRow:
     route: str
     label: int
     flags: tuple[str, ...]
-    value_hits: tuple             # value_swap.ClassCollector.hits rows (train split only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +62,6 @@ class RowRenderer:
     def __init__(self, renderer: Renderer, opts: RowOptions, base_dir: str):
         self.renderer, self.opts, self.base_dir = renderer, opts, base_dir
         self.pixel_dtype = np.dtype(opts.pixel_dtype)
-        self.values = value_swap.ClassCollector(renderer.tokenizer)   # its decode cache lives per worker
 
     def __call__(self, line: int, raw: bytes) -> RowOutcome | None:
         item = parse_line(raw, line=line, base_dir=self.base_dir)
@@ -85,9 +83,7 @@ class RowRenderer:
                 sample.line, sample.id, "too_long",
                 f"line {sample.line}, id {sample.id}: {ex.length} tokens > max_len {self.opts.max_len}"))
         split = split_of(sample.prompt_id, self.opts.heldout_fraction, self.opts.split_seed)
-        hits = tuple(self.values.hits(sample, ex.input_ids, ex.response_span)) if split == "train" else ()
         return RowOutcome(line, sample.id, kept=KeptRow(
             split=split, record=records.encode(ex, self.pixel_dtype), index=records.index_row(ex), id=ex.id,
             prompt_id=ex.prompt_id, length=ex.length, n_image_tokens=ex.n_image_tokens,
-            n_images=int(ex.image_grid_thw.shape[0]), route=ex.route, label=ex.label, flags=tuple(ex.flags),
-            value_hits=hits))
+            n_images=int(ex.image_grid_thw.shape[0]), route=ex.route, label=ex.label, flags=tuple(ex.flags)))

@@ -49,10 +49,6 @@ class LoaderConfig:
     min_patch_bucket: int = 64
     fixed_patches: int | None = None      # pad patches/images to exactly this (one shape per run)
     fixed_images: int | None = None
-    # A curriculum (rm_jax.train.curriculum): the stream's first `early_examples` entries are drawn
-    # from these records only (oversampled and shuffled as the full stream), then the full stream.
-    early_records: tuple[int, ...] = ()
-    early_examples: int = 0
 
 
 def _next_pow2(n: int, floor: int) -> int:
@@ -119,7 +115,7 @@ class Collate:
         return fixed
 
     def __call__(self, items: Sequence[dict]) -> dict[str, np.ndarray]:
-        n, B = len(items), self.batch_size
+        B = self.batch_size
         # (a process's slice of the last held-out batch may hold no example at all)
         L = pick_bucket(max((len(it["input_ids"]) for it in items), default=1), self.buckets)
         input_ids = np.full((B, L), self.pad_id, np.int32)
@@ -192,18 +188,6 @@ def _grouped_stream(index: dict, stream: np.ndarray, cfg: LoaderConfig) -> grain
     return grain.MapDataset.range(total).map(lambda j: int(epoch(j // epoch_len)[j % epoch_len]))
 
 
-def _with_early_stream(ds: grain.MapDataset, stream: np.ndarray, cfg: LoaderConfig) -> grain.MapDataset:
-    """`cfg.early_examples` entries of the early records' stream, then `ds` from its start."""
-    early_set = np.asarray(cfg.early_records)
-    early = stream[np.isin(stream, early_set)]
-    if len(early) == 0:
-        raise ValueError("the curriculum's early records are not in this split's stream")
-    order = grain.MapDataset.source(early).shuffle(seed=cfg.seed).repeat(None)
-    n = cfg.early_examples
-    total = min(sys.maxsize, n + len(ds))
-    return grain.MapDataset.range(total).map(lambda j: int(order[j]) if j < n else int(ds[j - n]))
-
-
 def make_dataset(data_dir: str, split: str, cfg: LoaderConfig) -> grain.MapDataset:
     """Batches of `split` as a Grain MapDataset (index i = batch i of this process)."""
     manifest = read_manifest(data_dir)
@@ -222,8 +206,6 @@ def make_dataset(data_dir: str, split: str, cfg: LoaderConfig) -> grain.MapDatas
         if cfg.shuffle:
             ds = ds.shuffle(seed=cfg.seed)
         ds = ds.repeat(cfg.num_epochs)
-    if cfg.early_examples:
-        ds = _with_early_stream(ds, idx, cfg)
     P, local_batch = cfg.process_count, cfg.batch_size // cfg.process_count
     if P > 1 and cfg.num_epochs is not None:
         # Whole global batches only: truncated (drop_remainder) or padded with -1 (invalid rows).

@@ -384,7 +384,6 @@ def tile_plan(units_e, row_start_e, tile_rows: int, n_levels: int, max_units: in
     """
     n_groups = units_e.shape[0]
     top = n_levels - 1
-    experts = jnp.arange(n_groups, dtype=jnp.int32)
     sizes, plan = [], []
     # Largest windows: units_e >> top of them per expert, back to back from the group start.
     n_top_e = units_e >> top

@@ -29,7 +29,6 @@ Design choices:
 
 from __future__ import annotations
 
-import dataclasses
 
 import flax.struct
 import jax

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
 import math
 import os
 import threading

@@ -31,7 +31,6 @@ import jax
 import numpy as np
 from absl import logging
 
-from rm_jax.data import loader as loader_lib
 from rm_jax.data.render import JudgeInput
 from rm_jax.score.scorer import SUFFIX_ROOM, PrefixGroup, Scorer, ScoreItem, ScoreMode
 from rm_jax.serve.map_budget import MapBudget

@@ -10,7 +10,6 @@ import jax
 from rm_jax.data import loader as loader_lib
 from rm_jax.run_config import RunConfig, TrainSection
 from rm_jax.train import distributed
-from rm_jax.train.curriculum import Curriculum, early_records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,16 +53,13 @@ def run_length(run: RunConfig) -> int:
 
 
 def loader_config(run: RunConfig, plan: RunPlan, *, split: str) -> loader_lib.LoaderConfig:
-    early = Curriculum.from_config(run.train) if split == "train" else None
     return loader_lib.LoaderConfig(
         batch_size=plan.micro_batch, buckets=(run_length(run),), seed=run.seed, shuffle=split == "train",
         # The run's config decides the stream's fail share (the build's recorded factor is its default).
         oversample_fail=run.data.oversample_fail, group_by_prompt=run.data.group_by_prompt,
         num_epochs=None if split == "train" else 1, drop_remainder=split == "train",
         process_index=jax.process_index(), process_count=jax.process_count(),
-        fixed_patches=run.train.max_patches, fixed_images=run.train.max_images,
-        early_records=early_records(run.data.dir, early) if early else (),
-        early_examples=early.steps * plan.micro_batch * plan.accumulation if early else 0)
+        fixed_patches=run.train.max_patches, fixed_images=run.train.max_images)
 
 
 def data_state_to_save(stream: BatchStream) -> dict:

@@ -2,10 +2,7 @@
 
 What the host adds to the loader's arrays before a step:
 
-* **Token weights** (``TokenWeights``): the verdict token's loss weight, and the context LM mask
-  (the last prompt tokens before the target).
-* **Auxiliary labels**: the swapped-value term (``ValueCheck``, rm_jax.data.value_swap) and the
-  seen-token term (``SeenCheck``, rm_jax.data.seen_tokens), at most one of them.
+* **Token weights** (``weighted_target_mask``): the verdict token's loss weight.
 * **Images**: model inputs prepared with a static frame budget; with several processes the
   microbatch's patches are exchanged so the replicated vision arrays are the one-process ones.
 """
@@ -18,100 +15,12 @@ import jax
 import numpy as np
 
 from rm_jax.data import loader as loader_lib
-from rm_jax.data import seen_tokens, value_swap
 from rm_jax.data.images import ImageBudget
 from rm_jax.model import registry
 from rm_jax.model.vision import vision_inputs
-from rm_jax.run_config import RunConfig, TrainSection
+from rm_jax.run_config import RunConfig
 from rm_jax.train import distributed
 from rm_jax.train.step import StepBatch
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenWeights:
-    """How the host turns a loader batch's masks into the step's loss weights (train.*)."""
-    verdict_weight: float = 1.0
-    context_tokens: int = 0             # 0: no context LM term
-    context_passing_only: bool = False
-    image_token_id: int = -1
-
-    @classmethod
-    def from_config(cls, train: TrainSection, mcfg) -> "TokenWeights":
-        return cls(verdict_weight=train.verdict_weight,
-                   context_tokens=train.context_lm_tokens if train.context_lm_weight else 0,
-                   context_passing_only=train.context_lm_passing_only, image_token_id=int(mcfg.image_token_id))
-
-
-@dataclasses.dataclass(frozen=True)
-class ValueCheck:
-    """The host side of the swapped-value term (train.value_check_*, rm_jax.data.value_swap): in a
-    ``rate`` share of the passing examples one value token is swapped, and the class tokens of
-    every passing response are labelled, ``tokens`` at most a row."""
-    classes: value_swap.ValueClasses
-    rate: float
-    tokens: int
-    seed: int
-    # A swapped value contradicts what the response copied it from, so the swapped example is a
-    # failure: with ``fail_id`` its verdict token is trained as fail (the reason and the rest of
-    # its target stay dropped: they describe the unswapped response). None: the whole target drops.
-    fail_id: int | None = None
-
-    @classmethod
-    def from_config(cls, run: RunConfig, manifest: dict) -> "ValueCheck | None":
-        t = run.train
-        if not t.value_check_weight:
-            return None
-        rows = manifest.get("value_classes")
-        if rows is None:
-            raise ValueError(f"train.value_check_weight: the shards in {run.data.dir} record no value classes "
-                             "(built before they were); rebuild them with launch.build_data")
-        if not rows:
-            raise ValueError("train.value_check_weight: the data has no value classes (no tool-call argument "
-                             "takes two or more single-token values), so there is nothing to swap")
-        fail_id = int(manifest["verdict_tokens"]["fail_id"]) if t.value_check_verdict else None
-        return cls(value_swap.ValueClasses.from_json(rows), t.value_check_rate, t.value_check_tokens, run.seed,
-                   fail_id)
-
-    def apply(self, b: dict, step: int, micro_index: int) -> tuple[dict, np.ndarray]:
-        """A loader batch with its swaps applied (swapped rows lose their target) and its labels."""
-        got = value_swap.swap_batch(b, self.classes, self.rate, (self.seed, step, micro_index),
-                                    row_offset=jax.process_index() * len(b["label"]), max_positions=self.tokens)
-        target = np.where(got.swapped[:, None], 0, b["target_mask"]).astype(b["target_mask"].dtype)
-        ids = got.input_ids
-        if self.fail_id is not None:
-            rows = np.flatnonzero(got.swapped & (b["verdict_pos"] >= 0))
-            pos = b["verdict_pos"][rows]
-            ids[rows, pos] = self.fail_id
-            target[rows, pos] = 1
-        return {**b, "input_ids": ids, "target_mask": target}, got.value_target
-
-
-@dataclasses.dataclass(frozen=True)
-class SeenCheck:
-    """The host side of the seen-token term (train.seen_check_*, rm_jax.data.seen_tokens): every
-    judged response's first ``tokens`` tokens labelled by whether they occur before it."""
-    tokens: int
-    skip_ids: np.ndarray
-    only_ids: np.ndarray | None = None    # the value classes' tokens (train.seen_check_values_only)
-    cumulative: bool = False              # train.seen_check_cumulative
-
-    @classmethod
-    def from_config(cls, train: TrainSection, manifest: dict) -> "SeenCheck | None":
-        if not train.seen_check_weight:
-            return None
-        special = [manifest.get("pad_id", 0), manifest.get("eos_id", 0), manifest.get("image_pad_id", 0)]
-        only = None
-        if train.seen_check_values_only:
-            rows = manifest.get("value_classes")
-            if not rows:
-                raise ValueError("train.seen_check_values_only: the shards record no value classes; rebuild them")
-            only = np.asarray(sorted({int(x) for c in rows for x in c}), np.int32)
-        return cls(train.seen_check_tokens, np.asarray(sorted(set(int(x) for x in special)), np.int32), only,
-                   train.seen_check_cumulative)
-
-    def apply(self, b: dict, step: int, micro_index: int) -> tuple[dict, np.ndarray]:
-        del step, micro_index   # the labels are a function of the batch alone
-        return b, seen_tokens.seen_targets(b, self.tokens, self.skip_ids, self.only_ids, self.cumulative)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,36 +50,8 @@ def weighted_target_mask(b: dict, verdict_weight: float) -> np.ndarray:
     return mask
 
 
-def context_mask(b: dict, n_tokens: int, image_token_id: int, passing_only: bool) -> np.ndarray:
-    """1.0 on the last ``n_tokens`` prompt tokens before each example's target: the judged
-    response and the turn around it (image placeholders excluded, as they are not text).
-
-    Why: a random-init judge must learn to compare a value in the response with the request or
-    a tool result before any verdict can depend on it. Predicting the response's own tokens
-    (a call's arguments copy the request; a delivery note copies the tool result) trains exactly
-    that lookup, on every example, where the verdict gives one bit per example. With
-    ``passing_only`` only responses the teacher passed are modelled (no copying of errors)."""
-    is_target_bt = b["target_mask"] > 0
-    rows_ok_b = is_target_bt.any(1) & b["example_valid"].astype(bool)
-    if passing_only:
-        rows_ok_b &= b["label"] == 0
-    first_b = np.argmax(is_target_bt, axis=1)
-    t_1t = np.arange(is_target_bt.shape[1])[None, :]
-    mask = ((t_1t >= first_b[:, None] - n_tokens) & (t_1t < first_b[:, None]) & (t_1t >= 1)
-            & rows_ok_b[:, None] & (b["input_ids"] != image_token_id))
-    return mask.astype(np.float32)
-
-
-def assemble(mcfg, micro: list[dict], frame_capacity: int,
-             weights: TokenWeights = TokenWeights(), value_check: ValueCheck | SeenCheck | None = None,
-             step: int = 0) -> HostBatch:
-    """Loader batches (numpy) -> one StepBatch with a leading accumulation axis. ``step``: the
-    step the batch trains (the swapped-value term's draws are a function of it, for resume)."""
-    value_target = None
-    if value_check is not None:
-        swapped = [value_check.apply(b, step, k) for k, b in enumerate(micro)]
-        micro = [b for b, _ in swapped]
-        value_target = np.stack([v for _, v in swapped])
+def assemble(mcfg, micro: list[dict], frame_capacity: int, verdict_weight: float = 1.0) -> HostBatch:
+    """Loader batches (numpy) -> one StepBatch with a leading accumulation axis."""
     # The loader right-pads, so attention takes per-row key lengths (cuDNN flash on GPU) instead
     # of a [B, T, T] mask; an all-padding row gets length 1 so its softmax stays finite.
     prepared = [registry.prepare_inputs(mcfg, b["input_ids"], b["attention_mask"], b["pixel_values"],
@@ -186,12 +67,8 @@ def assemble(mcfg, micro: list[dict], frame_capacity: int,
                          "whose vocabulary does not cover the data's tokenizer?)")
     inputs = jax.tree.map(lambda *xs: np.stack(xs), *prepared)
     valid = [b["example_valid"].astype(bool) for b in micro]
-    ctx = None
-    if weights.context_tokens:
-        ctx = np.stack([context_mask(b, weights.context_tokens, weights.image_token_id, weights.context_passing_only)
-                        for b in micro])
-    target = np.stack([weighted_target_mask(b, weights.verdict_weight) for b in micro])
-    return HostBatch(StepBatch(inputs=inputs, target_mask=target, context_mask=ctx, value_target=value_target),
+    target = np.stack([weighted_target_mask(b, verdict_weight) for b in micro])
+    return HostBatch(StepBatch(inputs=inputs, target_mask=target),
                      n_examples=int(sum(v.sum() for v in valid)),
                      n_fail=int(sum((b["label"][v] == 1).sum() for b, v in zip(micro, valid))))
 

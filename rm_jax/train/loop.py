@@ -45,7 +45,7 @@ from rm_jax.train import distributed, optim
 from rm_jax.train.checkpoint import CheckpointOptions, Checkpointer, abstract_like
 from rm_jax.train.data_plan import BatchStream, data_state_to_save, loader_config, own_data_state, plan_run
 from rm_jax.train.evaluate import VerdictSlot, evaluate
-from rm_jax.train.host_batch import SeenCheck, TokenWeights, ValueCheck, assemble, frame_capacity
+from rm_jax.train.host_batch import assemble, frame_capacity
 from rm_jax.train.loss import LossConfig, check_target_budget
 from rm_jax.train.metrics_log import MetricsWriter
 from rm_jax.train.run_manifest import check_resume_data, memory_line, write_manifest
@@ -69,23 +69,11 @@ def build_model(cfg: RunConfig, mesh):
     return model, mcfg
 
 
-def step_config(cfg: RunConfig, manifest: dict | None = None) -> StepConfig:
-    """``manifest``: the data's, which the swapped-value term needs (the verdict token ids)."""
+def step_config(cfg: RunConfig) -> StepConfig:
     t = cfg.train
-    # The swapped-value and seen-token terms share the per-position loss (one of them at a time).
-    value_weight = t.value_check_weight or t.seen_check_weight
-    value_tokens = t.seen_check_tokens if t.seen_check_weight else t.value_check_tokens
-    value_ids = (0, 0)
-    if value_weight:
-        tokens = (manifest or {}).get("verdict_tokens")
-        if not tokens:
-            raise ValueError("train.value_check_weight / seen_check_weight need the data manifest's verdict_tokens")
-        value_ids = (int(tokens["fail_id"]), int(tokens["pass_id"]))
-    return StepConfig(loss=LossConfig(t.max_target_tokens, t.vocab_chunk), value_weight=value_weight,
-                      value_tokens=value_tokens, value_ids=value_ids, value_layer=t.value_check_layer, lb_coef=cfg.moe.lb_coef, z_coef=cfg.moe.z_coef,
-                      expert_grad_dtype=t.expert_grad_dtype, expert_accum_dtype=t.expert_accum_dtype,
-                      expert_grad_in_scan=t.expert_grad_in_scan,
-                      context_weight=t.context_lm_weight, context_tokens=t.context_lm_tokens)
+    return StepConfig(loss=LossConfig(t.max_target_tokens, t.vocab_chunk), lb_coef=cfg.moe.lb_coef,
+                      z_coef=cfg.moe.z_coef, expert_grad_dtype=t.expert_grad_dtype,
+                      expert_accum_dtype=t.expert_accum_dtype, expert_grad_in_scan=t.expert_grad_in_scan)
 
 
 def run(cfg: RunConfig, workdir: str, *, cluster_line: str = "single process", progress: bool | None = None) -> dict:
@@ -102,15 +90,13 @@ def run(cfg: RunConfig, workdir: str, *, cluster_line: str = "single process", p
         logging.warning("%s has no held-out examples: validation loss is skipped (and the sweep will "
                         "have nothing to score); build with more prompts or a larger data.heldout_fraction",
                         data_dir)
-    # refuses shards without value classes early
-    value_check = SeenCheck.from_config(t, manifest) or ValueCheck.from_config(cfg, manifest)
     cfg = adopt_init_config(cfg)
     mesh = make_mesh(cfg.mesh, num_experts=model_config(cfg).text.num_experts, global_batch=plan.micro_batch)
     logging.info("%s; mesh %s; plan %s", cluster_line, dict(mesh.shape), plan)
 
     model, mcfg = build_model(cfg, mesh)
     ocfg = dataclasses.replace(optim.OptimConfig.from_config(t), total_steps=plan.total_steps)
-    builder = StepBuilder(model, optim.make_optimizer(ocfg, nnx.state(model, nnx.Param)), step_config(cfg, manifest),
+    builder = StepBuilder(model, optim.make_optimizer(ocfg, nnx.state(model, nnx.Param)), step_config(cfg),
                           mesh, optim.schedule(ocfg))
     state = builder.init_state()
 
@@ -136,10 +122,10 @@ def run(cfg: RunConfig, workdir: str, *, cluster_line: str = "single process", p
     if primary:
         write_manifest(workdir, cfg, manifest, mesh, plan)
 
-    capacity, weights = frame_capacity(cfg, mcfg), TokenWeights.from_config(t, mcfg)
+    capacity = frame_capacity(cfg, mcfg)
     verdict = VerdictSlot.from_manifest(manifest)
-    next_batch = lambda step: assemble(mcfg, stream.next(), capacity, weights, value_check, step)
-    pending = next_batch(start) if start < plan.total_steps else None
+    next_batch = lambda: assemble(mcfg, stream.next(), capacity, t.verdict_weight)
+    pending = next_batch() if start < plan.total_steps else None
     if pending is not None:
         shardings = builder.batch_shardings(pending.batch)
         placed = host_batch_to_device(pending.batch, shardings)     # global shapes, for the lowering
@@ -160,7 +146,7 @@ def run(cfg: RunConfig, workdir: str, *, cluster_line: str = "single process", p
     t_log, tokens_since, samples_since, fails_since = time.time(), 0, 0, 0
     try:
         while step < plan.total_steps:
-            host = pending if pending is not None else next_batch(step)
+            host = pending if pending is not None else next_batch()
             pending = None
             check_target_budget(host.batch.target_mask.reshape(-1, host.batch.target_mask.shape[-1]),
                                 t.max_target_tokens)

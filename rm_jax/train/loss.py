@@ -106,21 +106,3 @@ def target_cross_entropy(final_btd: jax.Array, head_dv: jax.Array, input_ids_bt:
 
 jax.tree_util.register_dataclass(TargetLoss, data_fields=["loss_sum", "n_tokens"], meta_fields=[])
 
-
-def value_check_cross_entropy(final_btd: jax.Array, head_dv: jax.Array, value_target_bt: jax.Array,
-                              fail_pass_ids: tuple[int, int], k: int) -> TargetLoss:
-    """Token-sum NLL of the swapped-value term (rm_jax.data.value_swap): at each labelled position,
-    the verdict tokens' logits read at that value's own position, ``fail`` for a swapped value and
-    ``pass`` for one the response wrote. ``value_target_bt``: -1 off, 0 kept, 1 swapped; at most
-    ``k`` labelled positions per row (the host keeps to that budget)."""
-    on_bt = value_target_bt >= 0
-    pos_bk = jax.vmap(lambda row: jnp.nonzero(row, size=k, fill_value=0)[0])(on_bt).astype(jnp.int32)
-    valid_bk = jnp.arange(k)[None, :] < on_bt.sum(1, keepdims=True)
-    h_bkd = jnp.take_along_axis(final_btd, pos_bk[..., None], axis=1).astype(jnp.float32)
-    w_d2 = head_dv[:, jnp.asarray(fail_pass_ids)].astype(jnp.float32)
-    logits_bk2 = jnp.einsum("bkd,dc->bkc", h_bkd, w_d2)
-    swapped_bk = jnp.take_along_axis(value_target_bt, pos_bk, axis=1) == 1
-    picked_bk = jnp.where(swapped_bk, logits_bk2[..., 0], logits_bk2[..., 1])
-    nll_bk = jax.nn.logsumexp(logits_bk2, axis=-1) - picked_bk
-    weight_bk = valid_bk.astype(jnp.float32)
-    return TargetLoss(loss_sum=jnp.sum(nll_bk * weight_bk), n_tokens=jnp.sum(weight_bk))

@@ -34,7 +34,7 @@ from rm_jax.model.decode import verdict_logits_at
 from rm_jax.model import placement
 from rm_jax.model.interface import JudgeInputs, JudgeModel
 from rm_jax.model.layer_stack import GradSink
-from rm_jax.train.loss import LossConfig, target_cross_entropy, value_check_cross_entropy
+from rm_jax.train.loss import LossConfig, target_cross_entropy
 
 
 @flax.struct.dataclass
@@ -49,32 +49,22 @@ class StepBatch:
     """A step's microbatches, each leaf with a leading [A] (accumulation) axis."""
     inputs: JudgeInputs
     target_mask: jax.Array     # [A, B, T]
-    # [A, B, T] weights of the prompt tokens in the context LM term (`StepConfig.context_weight`);
-    # None when that term is off.
-    context_mask: jax.Array | None = None
-    # [A, B, T] int8 labels of the swapped-value term (rm_jax.data.value_swap: -1 off, 0 a value the
-    # response wrote, 1 a swapped one); None when that term is off.
-    value_target: jax.Array | None = None
 
 
 @flax.struct.dataclass
 class LossSums:
-    """One microbatch's loss pieces (summed over the accumulation): token sums and counts of each
-    term, the MoE aux losses and the per-expert token counts."""
+    """One microbatch's loss pieces (summed over the accumulation): the target token sum and count,
+    the MoE aux losses and the per-expert token counts."""
     ce_sum: jax.Array
     n_tokens: jax.Array
     lb: jax.Array
     z: jax.Array
     expert_counts: jax.Array
-    context_sum: jax.Array
-    context_n: jax.Array
-    value_sum: jax.Array
-    value_n: jax.Array
 
     @classmethod
     def zeros(cls, n_exp: int) -> "LossSums":
         z = jnp.zeros((), jnp.float32)
-        return cls(z, z, z, z, jnp.zeros((n_exp,), jnp.float32), z, z, z, z)
+        return cls(z, z, z, z, jnp.zeros((n_exp,), jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,20 +77,6 @@ class StepConfig:
     # Routed-expert gradients summed into the accumulator inside the layer scan (layer_stack.GradSink):
     # no cast copy of the expert stacks and no per-microbatch expert gradient beside the accumulator.
     expert_grad_in_scan: bool = False
-    # Context LM: next-token NLL on the prompt tokens `StepBatch.context_mask` marks, added to the
-    # objective with this weight (its own token mean) and logged as `context_loss`. `loss` stays
-    # the target-only cross-entropy. Off (0) in the report's recipe: an SFT policy already reads.
-    context_weight: float = 0.0
-    context_tokens: int = 0         # static per-example budget of context positions (K for the gather)
-    # Swapped-value detection (rm_jax.data.value_swap): binary NLL of the verdict tokens at the
-    # labelled value positions, its own mean, added with this weight; logged as `value_check_loss`.
-    value_weight: float = 0.0
-    value_tokens: int = 0           # static per-example budget of labelled positions
-    value_ids: tuple[int, int] = (0, 0)   # (fail, pass) token ids: the verdict's first tokens
-    # The decoder layer whose output that term reads (through the final norm and head); -1 = the
-    # final hidden state. A middle layer leaves later layers to attend to what it flags.
-    value_layer: int = -1
-
 
 class StepBuilder:
     """Splits the model once and builds the jitted train / eval steps for one run."""
@@ -142,28 +118,15 @@ class StepBuilder:
 
     # -- the pure functions ---------------------------------------------------------------------
 
-    def micro_loss(self, params, rest, mb: StepBatch, totals, n_micro) -> tuple[jax.Array, LossSums]:
+    def micro_loss(self, params, rest, mb: StepBatch, n_total, n_micro) -> tuple[jax.Array, LossSums]:
         """The objective one microbatch adds to the step's (what is differentiated), and its loss
-        sums. ``mb``: one microbatch (no A axis); ``totals``: the step's global counts of the
-        target, context and value terms, which each term's sum is divided by; ``n_micro``: the
-        microbatches in the step (the MoE aux losses are their mean)."""
-        n_total, n_context, n_value = totals
+        sums. ``mb``: one microbatch (no A axis); ``n_total``: the step's global target-token
+        count, which the target sum is divided by; ``n_micro``: the microbatches in the step (the
+        MoE aux losses are their mean)."""
         model = nnx.merge(self.graphdef, params, rest)
-        read_layer = mb.value_target is not None and self.cfg.value_layer >= 0
-        out = model.forward_arrays(mb.inputs, logits=False, return_hidden=read_layer)
+        out = model.forward_arrays(mb.inputs, logits=False)
         ids_bt = jnp.asarray(mb.inputs.input_ids_bt)
         tl = target_cross_entropy(out.final_hidden_btd, model.head_dv(), ids_bt, mb.target_mask, self.cfg.loss)
-        ctx_sum = ctx_n = val_sum = val_n = jnp.zeros((), jnp.float32)
-        if mb.context_mask is not None:
-            cl = target_cross_entropy(out.final_hidden_btd, model.head_dv(), ids_bt, mb.context_mask,
-                                      LossConfig(self.cfg.context_tokens, self.cfg.loss.vocab_chunk))
-            ctx_sum, ctx_n = cl.loss_sum, cl.n_tokens
-        if mb.value_target is not None:
-            value_btd = (model.final_norm(out.layer_hidden_lbtd[self.cfg.value_layer]) if read_layer
-                         else out.final_hidden_btd)
-            vl = value_check_cross_entropy(value_btd, model.head_dv(), jnp.asarray(mb.value_target),
-                                           self.cfg.value_ids, self.cfg.value_tokens)
-            val_sum, val_n = vl.loss_sum, vl.n_tokens
         aux = out.moe_aux
         if aux is None:
             lb = z = jnp.zeros((), jnp.float32)
@@ -171,10 +134,8 @@ class StepBuilder:
         else:
             lb, z = jnp.mean(aux.lb_loss), jnp.mean(aux.z_loss)
             counts = jnp.sum(aux.expert_counts.astype(jnp.float32).reshape(-1, aux.expert_counts.shape[-1]), 0)
-        objective = (tl.loss_sum / n_total + self.cfg.context_weight * ctx_sum / n_context
-                     + self.cfg.value_weight * val_sum / n_value
-                     + (self.cfg.lb_coef * lb + self.cfg.z_coef * z) / n_micro)
-        return objective, LossSums(tl.loss_sum, tl.n_tokens, lb, z, counts, ctx_sum, ctx_n, val_sum, val_n)
+        objective = tl.loss_sum / n_total + (self.cfg.lb_coef * lb + self.cfg.z_coef * z) / n_micro
+        return objective, LossSums(tl.loss_sum, tl.n_tokens, lb, z, counts)
 
     def _grad_view(self, params):
         """The params as differentiated: expert weights in `expert_grad_dtype` when set."""
@@ -191,13 +152,13 @@ class StepBuilder:
         leaves, treedef = jax.tree.flatten(params)
         return jax.tree.unflatten(treedef, [x.astype(dt) if low else x for x, low in zip(leaves, self.expert_leaf)])
 
-    def _add_grad(self, params, acc_g, rest, mb: StepBatch, totals, n_micro):
+    def _add_grad(self, params, acc_g, rest, mb: StepBatch, n_total, n_micro):
         """((objective, LossSums), acc_g + the microbatch's gradient). With ``expert_grad_in_scan``
         the expert leaves reach the model as ``GradSink(master, acc)``: differentiating with
         respect to their accumulators gives the accumulators plus the gradient, summed layer by
         layer in the scan's backward pass."""
         if not self.cfg.expert_grad_in_scan:
-            out, g = jax.value_and_grad(self.micro_loss, has_aux=True)(params, rest, mb, totals, n_micro)
+            out, g = jax.value_and_grad(self.micro_loss, has_aux=True)(params, rest, mb, n_total, n_micro)
             return out, jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc_g, g)
         leaves, treedef = jax.tree.flatten(params)
         acc_leaves = treedef.flatten_up_to(acc_g)
@@ -205,7 +166,7 @@ class StepBuilder:
         def loss(diff_leaves):
             merged = [GradSink(m, d, self._compute_dtype) if e else d
                       for m, d, e in zip(leaves, diff_leaves, self.expert_leaf)]
-            return self.micro_loss(treedef.unflatten(merged), rest, mb, totals, n_micro)
+            return self.micro_loss(treedef.unflatten(merged), rest, mb, n_total, n_micro)
         out, g = jax.value_and_grad(loss, has_aux=True)(
             [a if e else x for x, a, e in zip(leaves, acc_leaves, self.expert_leaf)])
         return out, treedef.unflatten([x if e else a + x.astype(a.dtype)
@@ -218,41 +179,35 @@ class StepBuilder:
         master = params
         if with_grad and not self.cfg.expert_grad_in_scan:
             params = self._grad_view(params)
-        # Only the terms that are on travel (a term's mask may be in the batch with its weight 0).
-        batch = batch.replace(context_mask=batch.context_mask if self.cfg.context_weight else None,
-                              value_target=batch.value_target if self.cfg.value_weight else None)
-        # Each term is divided by its *global* token count (of the whole step).
-        count = lambda m, on: jnp.maximum(jnp.sum(on(m).astype(jnp.float32)), 1.0) if m is not None else jnp.ones(())
-        totals = (count(batch.target_mask, lambda m: m), count(batch.context_mask, lambda m: m),
-                  count(batch.value_target, lambda m: m >= 0))
+        # The target sum is divided by the *global* target-token count (of the whole step).
+        n_total = jnp.maximum(jnp.sum(batch.target_mask.astype(jnp.float32)), 1.0)
         grad_fn = jax.value_and_grad(self.micro_loss, has_aux=True)
 
         def body(carry, mb):
             acc_g, acc = carry
             if with_grad:
-                (_, extras), acc_g = self._add_grad(params, acc_g, rest, mb, totals, n_micro)
+                (_, extras), acc_g = self._add_grad(params, acc_g, rest, mb, n_total, n_micro)
             else:
-                _, extras = self.micro_loss(params, rest, mb, totals, n_micro)
+                _, extras = self.micro_loss(params, rest, mb, n_total, n_micro)
             acc = jax.tree.map(jnp.add, acc, extras)
             return (acc_g, acc), None
 
         n_exp = self._n_experts()
-        on = dict(with_context=batch.context_mask is not None, with_value=batch.value_target is not None)
         if n_micro == 1:
             # No scan: a second (accumulator) gradient tree would double gradient memory.
             mb = jax.tree.map(lambda x: x[0], batch)
             if with_grad and self.cfg.expert_grad_in_scan:
                 # (the expert accumulator starts at zero: one expert gradient buffer, no cast copy)
                 zeros_g = jax.tree.map(jnp.zeros_like, self._accum_view(master))
-                (_, extras), grads = self._add_grad(params, zeros_g, rest, mb, totals, 1)
+                (_, extras), grads = self._add_grad(params, zeros_g, rest, mb, n_total, 1)
                 grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
             elif with_grad:
-                (_, extras), grads = grad_fn(params, rest, mb, totals, 1)
+                (_, extras), grads = grad_fn(params, rest, mb, n_total, 1)
                 grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)   # fused into the update
             else:
-                _, extras = self.micro_loss(params, rest, mb, totals, 1)
+                _, extras = self.micro_loss(params, rest, mb, n_total, 1)
                 grads = None
-            return grads, self._metrics(extras, n_micro=1, n_exp=n_exp, **on)
+            return grads, self._metrics(extras, n_micro=1, n_exp=n_exp)
         # The accumulator is in the master dtype (fp32), except for the routed-expert leaves when
         # `expert_accum_dtype` is set: they are ~95% of a 30B-A3B model, so a bf16 accumulator saves
         # a quarter of the gradient memory (the per-microbatch expert gradients are bf16 already).
@@ -260,16 +215,12 @@ class StepBuilder:
         (grads, extras), _ = jax.lax.scan(body, (zeros_g, LossSums.zeros(n_exp)), batch)
         if with_grad:
             grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
-        return grads, self._metrics(extras, n_micro=n_micro, n_exp=n_exp, **on)
+        return grads, self._metrics(extras, n_micro=n_micro, n_exp=n_exp)
 
     @staticmethod
-    def _metrics(s: LossSums, *, n_micro: int, n_exp: int, with_context: bool, with_value: bool) -> dict:
+    def _metrics(s: LossSums, *, n_micro: int, n_exp: int) -> dict:
         metrics = {"loss": s.ce_sum / jnp.maximum(s.n_tokens, 1.0), "target_tokens": s.n_tokens,
                    "lb_loss": s.lb / n_micro, "z_loss": s.z / n_micro}
-        if with_context:
-            metrics["context_loss"] = s.context_sum / jnp.maximum(s.context_n, 1.0)
-        if with_value:
-            metrics["value_check_loss"] = s.value_sum / jnp.maximum(s.value_n, 1.0)
         if n_exp > 1:
             counts = s.expert_counts
             load = counts / jnp.maximum(jnp.sum(counts), 1.0)
@@ -347,8 +298,7 @@ def batch_shardings(batch: StepBatch, mesh, process_count: int | None = None) ->
     rows over the batch axes after the [A] axis, image patches replicated)."""
     rows = lambda x: placement.rows_sharding(x, 1, mesh, process_count)
     return StepBatch(inputs=placement.inputs_shardings(batch.inputs, mesh, lead=1, process_count=process_count),
-                     target_mask=rows(batch.target_mask), context_mask=rows(batch.context_mask),
-                     value_target=rows(batch.value_target))
+                     target_mask=rows(batch.target_mask))
 
 
 def host_batch_to_device(batch: StepBatch, shardings) -> StepBatch:
