@@ -8,8 +8,6 @@ from ml_collections import config_flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "tiny.py")
-# The embedded default's pretrained tiny base (launch.pretrain_base writes it; committed).
-DEFAULT_BASE = os.path.join("assets", "tiny_base")
 
 
 def define_config_flag(default: str = DEFAULT_CONFIG):

@@ -19,6 +19,8 @@ from rm_jax.data import pretrain as pretrain_lib
 from rm_jax.data.pretrain import FORM_CHAT, FORM_TRANSCRIPT, PretrainRenderer, form_of
 from rm_jax.data.render import Renderer
 from rm_jax.data.tokenizer_build import REQUIRED_TOKENIZER_FILES
+from rm_jax.model import load_hf
+from rm_jax.run_config import model_config, parse
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,3 +110,16 @@ def test_corpus_drops_exactly_the_excluded_requests(tmp_path, synth_dir):
     assert len(kept) + dropped == n
     assert all(pretrain_lib.request_key(r) not in excluded for r in kept)
     assert "[user]" not in pretrain_lib.request_key(rows[0]) and pretrain_lib.request_key(rows[0])
+
+
+def test_the_committed_base_is_current_and_loads_as_the_tiny_judge(tiny_cfg):
+    """assets/tiny_base must follow the generator: an edit to the synthetic data without
+    `python -m launch.pretrain_base` fails here, not in a user's `--base=assets/tiny_base`."""
+    base = os.path.join(REPO, "assets", "tiny_base")
+    assert check_base(base).generator_sha256 == generator_sha256()
+    _, got = load_hf(os.path.join(base, "hf"), dtype="float32")
+    want = model_config(parse(tiny_cfg))
+    got_d, want_d = got.to_hf_dict(), want.to_hf_dict()
+    got_d.pop("dtype", None)   # the dtype it was saved in, not an architecture field
+    want_d.pop("dtype", None)
+    assert got_d == want_d, "the base's architecture is not configs/tiny.py's"
