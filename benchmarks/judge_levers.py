@@ -1,6 +1,6 @@
 """The embedded judge's levers, each measured once at the demo's budget, in one table (issue 38).
 
-  python -m benchmarks.judge_levers --base=runs/demo --workdir=runs/levers --levers=theta_5e6[,...]
+  python -m benchmarks.judge_levers --base=runs/demo --workdir=runs/levers --levers=theta_1e4[,...]
       [--steps=1000] [--policy_steps=300]
   python -m benchmarks.judge_levers --base=runs/demo --workdir=runs/levers --levers=   # the table only
 
@@ -49,8 +49,8 @@ class Lever:
 LEVERS = {
     "qwen3_5": Lever("tiny Qwen3.5-MoE (3 GDN + 1 gated attention, shared expert, partial rotary 0.25, "
                      "theta 1e7)", config=QWEN35_CONFIG, own_policy=True, equal_wall=True),
-    "theta_5e6": Lever("Qwen3-VL rope_theta 5e6 (the real model's)",
-                       model_flags=(f"{TEXT}rope_parameters.rope_theta=5000000.0",), own_policy=True),
+    "theta_1e4": Lever("Qwen3-VL rope_theta 1e4 instead of the real model's 5e6",
+                       model_flags=(f"{TEXT}rope_parameters.rope_theta=10000.0",), own_policy=True),
     "head_dim_32": Lever("head_dim 32 (4 heads, hidden 64 kept; MRoPE sections 8/4/4)",
                          model_flags=(f"{TEXT}head_dim=32", f"{TEXT}rope_parameters.mrope_section=(8,4,4)"),
                          own_policy=True),

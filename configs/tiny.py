@@ -39,7 +39,7 @@ def hf_model_config() -> ml_collections.ConfigDict:
             decoder_sparse_step=1,
             mlp_only_layers=(),
             rms_norm_eps=1e-6,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+            rope_parameters=dict(rope_type="default", rope_theta=5_000_000.0,
                                  mrope_section=(4, 2, 2), mrope_interleaved=True),
             tie_word_embeddings=False,
             max_position_embeddings=8192,

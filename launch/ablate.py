@@ -1,7 +1,7 @@
 """The field report's ablation table on the embedded default: `make ablation`.
 
   python -m launch.ablate --workdir=W [--n=10000] [--steps=500] [--policy_steps=300] [--seed=0]
-      [--base=assets/tiny_base]
+      [--base=assets/tiny_base | --base=]
 
 Every variant trains on the same synthetic set (one launch.synth run), with the same budget and
 seed, and changes one factor of the demo's recipe (verdict-first target, the policy's SFT
@@ -11,8 +11,8 @@ checkpoint as init, an unshifted stream):
   oversample_1   the recipe (stream = label share)  oversample_3   failures repeated x3
   policy_init    the recipe                         random_init    no policy checkpoint
 
-so verdict_first, oversample_1 and policy_init are one training run (the table says so). With
---base the data takes the base's tokenizer and the policy starts from the base, as in launch.demo;
+so verdict_first, oversample_1 and policy_init are one training run (the table says so). With a
+base (the committed assets/tiny_base by default; --base= for none) the data takes the base's tokenizer and the policy starts from the base, as in launch.demo;
 random_init stays a judge from random weights. Each row
 holds the judge_metrics keys of the checkpoint the sweep's declared rule chooses, and its step;
 reason-first is scored at the verdict slot found after decoding, as the scorer does. Two more rows
@@ -27,7 +27,7 @@ import os
 
 from absl import app, flags
 
-from launch.common import DEFAULT_CONFIG, metrics_at, resolve_base, run_stage
+from launch.common import DEFAULT_BASE, DEFAULT_CONFIG, metrics_at, resolve_base, run_stage
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "where everything is written", required=True)
 _N = flags.DEFINE_integer("n", 10000, "synthetic samples")
@@ -36,8 +36,8 @@ _POLICY_STEPS = flags.DEFINE_integer("policy_steps", 300, "policy SFT steps (sha
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data and training seed")
 _SWEEP_MAX = flags.DEFINE_integer("sweep_max_samples", 700, "held-out samples the sweep scores per checkpoint")
 _CONFIG = flags.DEFINE_string("config", DEFAULT_CONFIG, "config file for every stage")
-_BASE = flags.DEFINE_string("base", "", "a pretrained base (launch.pretrain_base --out) the policy starts from; "
-                            "'' = random init")
+_BASE = flags.DEFINE_string("base", DEFAULT_BASE, "a pretrained base (launch.pretrain_base --out) of the "
+                            "config's architecture that the policy starts from; '' = random init")
 
 REASON_FIRST = "('reason','l3','issues','img')"
 # run name -> (field order or None, oversample_fail, policy init)
@@ -54,7 +54,7 @@ def main(argv):
     data = os.path.join(work, "data")
     cfg = f"--config={_CONFIG.value}"
     timings: dict[str, float] = {}
-    provenance, base_hf = resolve_base(_BASE.value)
+    provenance, base_hf = resolve_base(_BASE.value, _CONFIG.value)
     run_stage("synth", [f"--out={data}", f"--n={_N.value}", f"--seed={_SEED.value}", "--fail_rate=0.3",
                         *([f"--tokenizer={base_hf}"] if base_hf else [])], timings, "synth")
     run_stage("policy_sft", [f"--input={data}/samples.jsonl", f"--out={work}/policy", cfg,

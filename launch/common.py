@@ -8,6 +8,8 @@ from ml_collections import config_flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "tiny.py")
+# The embedded default's pretrained base (launch.pretrain_base), the demo's start.
+DEFAULT_BASE = os.path.join("assets", "tiny_base")
 
 
 def define_config_flag(default: str = DEFAULT_CONFIG):
@@ -132,9 +134,11 @@ def metrics_at(sweep: dict, step: int) -> dict:
     return {"step": step, **{k: row.get(k, chosen[k]) for k in METRIC_KEYS}}
 
 
-def resolve_base(flag_value: str):
+def resolve_base(flag_value: str, config_path: str):
     """--base: '' -> (None, ''); else the checked provenance and the base's HF dir (relative paths
-    from the repo root). A stale or missing base is a usage error naming the script that rebuilds it."""
+    from the repo root). A stale or missing base is a usage error naming the script that rebuilds it;
+    so is a base of another architecture than the config's model, since the policy would silently
+    take the base's architecture (train.init_from reads the checkpoint's config.json)."""
     from absl import app
 
     from rm_jax.data.base_provenance import StaleBaseError, check_base
@@ -145,4 +149,26 @@ def resolve_base(flag_value: str):
         provenance = check_base(base)
     except (StaleBaseError, FileNotFoundError) as e:
         raise app.UsageError(f"--base={flag_value}: {e}") from None
+    differing = architecture_difference(os.path.join(base, "hf"), config_path)
+    if differing:
+        raise app.UsageError(f"--base={flag_value}: its architecture is not the model of {config_path} (they differ "
+                             f"in {', '.join(differing[:6])}{', ...' if len(differing) > 6 else ''}); pass a base of that architecture, or --base='' for random init")
     return provenance, os.path.join(base, "hf")
+
+
+def architecture_difference(hf_dir: str, config_path: str) -> list[str]:
+    """The HF config fields (text_config.x for nested ones) in which a checkpoint's architecture
+    and a config file's model differ; [] when they are the same. The saved dtype is not compared."""
+    from rm_jax.model.convert import read_config
+    from rm_jax.run_config import model_config, parse
+
+    got = read_config(hf_dir).to_hf_dict()
+    want = model_config(parse(load_config(config_path))).to_hf_dict()
+    differing = []
+    for key in sorted((set(got) | set(want)) - {"dtype"}):
+        a, b = got.get(key), want.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            differing += [f"{key}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif a != b:
+            differing.append(key)
+    return differing

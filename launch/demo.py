@@ -1,10 +1,11 @@
 """The whole pipeline on the embedded default, one command: `make demo`.
 
   python -m launch.demo [--workdir=runs/demo] [--n=10000] [--fail_rate=0.3] [--seed=0] [--train_steps=1000]
-      [--policy_steps=300] [--oversample_fail=0] [--base=assets/tiny_base] [--ablation=runs/ablation]
+      [--policy_steps=300] [--oversample_fail=0] [--base=assets/tiny_base | --base=] [--ablation=runs/ablation]
 
 Each stage runs through its own CLI (exactly what a user would type), timed:
-[base check: a --base whose generator hash differs from rm_jax/data/synth.py today is refused] ->
+[base check (the committed assets/tiny_base by default): a base whose generator hash differs from
+rm_jax/data/synth.py today, or whose architecture is not the config's model, is refused] ->
 synth (with the base's tokenizer) -> policy_sft (from the base) (next-token SFT on the passing responses, exported with launch.convert --to_hf;
 cached by content hash under WORKDIR/policy) -> build_data -> train (the judge, initialized from the
 policy with train.init_from) -> sweep -> score. Writes WORKDIR/report.json (with a `chosen`
@@ -27,7 +28,7 @@ import time
 
 from absl import app, flags
 
-from launch.common import DEFAULT_CONFIG, REPO_ROOT, metrics_at, resolve_base
+from launch.common import DEFAULT_BASE, DEFAULT_CONFIG, REPO_ROOT, metrics_at, resolve_base
 from rm_jax.data import build_rows
 from rm_jax.data.base_provenance import BaseProvenance
 from rm_jax.eval import lessons as lessons_lib
@@ -48,8 +49,8 @@ _POLICY_STEPS = flags.DEFINE_integer("policy_steps", 300, "policy SFT steps (0 =
 _OVERSAMPLE = flags.DEFINE_integer("oversample_fail", 0, "data.oversample_fail for the judge's stream (0 = the config's)")
 _SCORE_N = flags.DEFINE_integer("score_n", 64, "rows of the input scored by the score stage")
 _SWEEP_MAX = flags.DEFINE_integer("sweep_max_samples", 700, "held-out samples the sweep scores per checkpoint (0 = all)")
-_BASE = flags.DEFINE_string("base", "", "a pretrained base (launch.pretrain_base --out): its tokenizer "
-                            "and weights start the policy; '' = random init")
+_BASE = flags.DEFINE_string("base", DEFAULT_BASE, "a pretrained base (launch.pretrain_base --out) of the "
+                            "config's architecture: its tokenizer and weights start the policy; '' = random init")
 _ABLATION = flags.DEFINE_string("ablation", "runs/ablation", "a finished launch.ablate workdir whose table the "
                                 "report's lessons quote (skipped when absent)")
 
@@ -91,7 +92,7 @@ def main(argv):
     work = os.path.abspath(_WORKDIR.value)   # the stages run from the repo root
     os.makedirs(work, exist_ok=True)
     data, shards, run = (os.path.join(work, d) for d in ("data", "shards", "train"))
-    provenance, base_hf = resolve_base(_BASE.value)
+    provenance, base_hf = resolve_base(_BASE.value, _CONFIG.value)
     timings: dict[str, float] = {}
     t0 = time.time()
     _run("synth", [f"--out={data}", f"--n={_N.value}", f"--seed={_SEED.value}", f"--fail_rate={_FAIL_RATE.value}",

@@ -202,7 +202,7 @@ def test_adversarial_input_augments_the_training_split_only(synth_dir, tiny_cfg,
     for s in parsed:
         v = attacks.adversarial_variant(s, 0.3, 0, pools) if in_train(s.prompt_id) else None
         assert (v is not None) == (v is not None and v.id in by_id)
-    result = build_lib.build(path, str(tmp_path / "shards"), renderer, opts, tokenizer_dir=os.path.join(
+    build_lib.build(path, str(tmp_path / "shards"), renderer, opts, tokenizer_dir=os.path.join(
         synth_dir, "tokenizer"), progress=False)
     rejects = [json.loads(x) for x in open(tmp_path / "shards" / "rejects.jsonl")]
     assert all("~adv-" in r["id"] and r["reason"] == "too_long" for r in rejects)   # padding past max_len

@@ -61,7 +61,7 @@ def test_two_processes_equal_one_and_resume_after_kill9(built_shards, tmp_path):
     wait_all(_start_pair(two, shards, env2, logs), logs, "two")
     for pid in range(2):
         text = open(log_path(logs, "two", pid)).read()
-        assert f"joined cluster at 127.0.0.1:" in text and f"as process {pid} of 2 (8 devices in all)" in text
+        assert "joined cluster at 127.0.0.1:" in text and f"as process {pid} of 2 (8 devices in all)" in text
     uninterrupted = without(read_metrics(str(two)), TIMING)
     _assert_close(uninterrupted, reference, rtol=1e-6)
     manifest = json.load(open(two / "manifest.json"))

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from launch.common import DEFAULT_BASE, DEFAULT_CONFIG, architecture_difference, load_config
 from rm_jax.data import schema
 from rm_jax.data.base_provenance import (PRETRAIN_COMMAND, BaseProvenance, StaleBaseError, check_base,
                                          generator_sha256)
@@ -112,14 +113,31 @@ def test_corpus_drops_exactly_the_excluded_requests(tmp_path, synth_dir):
     assert "[user]" not in pretrain_lib.request_key(rows[0]) and pretrain_lib.request_key(rows[0])
 
 
-def test_the_committed_base_is_current_and_loads_as_the_tiny_judge(tiny_cfg):
-    """assets/tiny_base must follow the generator: an edit to the synthetic data without
-    `python -m launch.pretrain_base` fails here, not in a user's `--base=assets/tiny_base`."""
-    base = os.path.join(REPO, "assets", "tiny_base")
+def test_the_committed_base_is_current_and_loads_as_the_tiny_judge():
+    """assets/tiny_base must follow the generator and configs/tiny.py: an edit to the synthetic data
+    or the tiny model without `python -m launch.pretrain_base` fails here, not in `make demo`."""
+    base = os.path.join(REPO, DEFAULT_BASE)
     assert check_base(base).generator_sha256 == generator_sha256()
-    _, got = load_hf(os.path.join(base, "hf"), dtype="float32")
-    want = model_config(parse(tiny_cfg))
-    got_d, want_d = got.to_hf_dict(), want.to_hf_dict()
-    got_d.pop("dtype", None)   # the dtype it was saved in, not an architecture field
-    want_d.pop("dtype", None)
-    assert got_d == want_d, "the base's architecture is not configs/tiny.py's"
+    assert architecture_difference(os.path.join(base, "hf"), DEFAULT_CONFIG) == []
+    _, loaded = load_hf(os.path.join(base, "hf"), dtype="float32")
+    assert loaded.to_hf_dict()["text_config"] == model_config(parse(load_config(DEFAULT_CONFIG))).to_hf_dict()["text_config"]
+
+
+def test_a_base_of_another_architecture_is_named_and_refused(tmp_path):
+    """A nested field (the rotary theta) counts; the demo refuses such a base before any stage, as
+    it does for another model type."""
+    other = tmp_path / "theta_1e4.py"
+    other.write_text("from configs import tiny\n\n\ndef get_config():\n    cfg = tiny.get_config()\n"
+                     "    cfg.model.text_config.rope_parameters.rope_theta = 10000.0\n    return cfg\n")
+    sys.path.insert(0, REPO)
+    try:
+        assert architecture_difference(os.path.join(REPO, DEFAULT_BASE, "hf"), str(other)) == [
+            "text_config.rope_parameters"]
+    finally:
+        sys.path.remove(REPO)
+    work = tmp_path / "demo"
+    r = subprocess.run([sys.executable, "-m", "launch.demo", f"--workdir={work}", "--config=configs/tiny_qwen3_5.py"],
+                       cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert r.returncode != 0
+    assert "its architecture is not the model of configs/tiny_qwen3_5.py" in r.stderr and "model_type" in r.stderr
+    assert "--base=''" in r.stderr and not (work / "data").exists()
