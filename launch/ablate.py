@@ -12,8 +12,9 @@ checkpoint as init, an unshifted stream):
   policy_init    the recipe                         random_init    no policy checkpoint
 
 so verdict_first, oversample_1 and policy_init are one training run (the table says so). With a
-base (the committed assets/tiny_base by default; --base= for none) the data takes the base's tokenizer and the policy starts from the base, as in launch.demo;
-random_init stays a judge from random weights. Each row
+base (the committed assets/tiny_base by default; --base= for none) the data takes the base's
+tokenizer and the policy starts from the base, as in launch.demo; random_init stays a judge from
+random weights. Each row
 holds the judge_metrics keys of the checkpoint the sweep's declared rule chooses, and its step;
 reason-first is scored at the verdict slot found after decoding, as the scorer does. Two more rows
 take the recipe's run and pick its checkpoint by the lowest validation loss (`select_by_val_loss`)

@@ -151,8 +151,9 @@ def resolve_base(flag_value: str, config_path: str):
         raise app.UsageError(f"--base={flag_value}: {e}") from None
     differing = architecture_difference(os.path.join(base, "hf"), config_path)
     if differing:
-        raise app.UsageError(f"--base={flag_value}: its architecture is not the model of {config_path} (they differ "
-                             f"in {', '.join(differing[:6])}{', ...' if len(differing) > 6 else ''}); pass a base of that architecture, or --base='' for random init")
+        shown = ", ".join(differing[:6]) + (", ..." if len(differing) > 6 else "")
+        raise app.UsageError(f"--base={flag_value}: its architecture is not the model of {config_path} (they "
+                             f"differ in {shown}); pass a base of that architecture, or --base='' for random init")
     return provenance, os.path.join(base, "hf")
 
 

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from launch.common import DEFAULT_BASE, DEFAULT_CONFIG, architecture_difference, load_config
+from launch.common import DEFAULT_BASE, DEFAULT_CONFIG, architecture_difference
 from rm_jax.data import schema
 from rm_jax.data.base_provenance import (PRETRAIN_COMMAND, BaseProvenance, StaleBaseError, check_base,
                                          generator_sha256)
@@ -21,7 +21,6 @@ from rm_jax.data.pretrain import FORM_CHAT, FORM_TRANSCRIPT, PretrainRenderer, f
 from rm_jax.data.render import Renderer
 from rm_jax.data.tokenizer_build import REQUIRED_TOKENIZER_FILES
 from rm_jax.model import load_hf
-from rm_jax.run_config import model_config, parse
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,8 +118,7 @@ def test_the_committed_base_is_current_and_loads_as_the_tiny_judge():
     base = os.path.join(REPO, DEFAULT_BASE)
     assert check_base(base).generator_sha256 == generator_sha256()
     assert architecture_difference(os.path.join(base, "hf"), DEFAULT_CONFIG) == []
-    _, loaded = load_hf(os.path.join(base, "hf"), dtype="float32")
-    assert loaded.to_hf_dict()["text_config"] == model_config(parse(load_config(DEFAULT_CONFIG))).to_hf_dict()["text_config"]
+    load_hf(os.path.join(base, "hf"), dtype="float32")   # raises when a tensor does not fit that architecture
 
 
 def test_a_base_of_another_architecture_is_named_and_refused(tmp_path):
